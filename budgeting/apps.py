@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class BudgetingConfig(AppConfig):
+    name = "budgeting"
+    verbose_name = "Catalog and admission"
+    default_auto_field = "django.db.models.BigAutoField"

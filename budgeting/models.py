@@ -1,0 +1,217 @@
+"""The catalog: tenants, task classes, model pools and revisions, tokenizers, service clients, policies."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from django.db import models
+from django.db.models import Q
+
+
+class RolloutMode(models.TextChoices):
+    SHADOW = "SHADOW", "Shadow (decide and record, hold nothing)"
+    ENFORCE = "ENFORCE", "Enforce"
+
+
+class Tenant(models.Model):
+    slug = models.SlugField(max_length=64, unique=True)
+    name = models.CharField(max_length=200)
+    internal = models.BooleanField(default=False)
+    rollout_mode = models.CharField(max_length=8, choices=RolloutMode.choices, default=RolloutMode.SHADOW)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class TaskClass(models.Model):
+    slug = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=300, blank=True)
+    max_output_cap = models.PositiveIntegerField(help_text="Server-side cap on output tokens per request.")
+    input_cap = models.PositiveIntegerField(help_text="Cap on input tokens per request.")
+    queue_allowed = models.BooleanField(default=False)
+    queue_deadline_seconds = models.PositiveIntegerField(default=60)
+    ramp_percent = models.PositiveSmallIntegerField(
+        default=100, help_text="Share of ENFORCE traffic (stable hash of requestId) that holds capacity."
+    )
+
+    class Meta:
+        ordering = ["slug"]
+        verbose_name_plural = "task classes"
+        constraints = [
+            models.CheckConstraint(condition=Q(max_output_cap__gt=0), name="taskclass_output_cap_positive"),
+            models.CheckConstraint(condition=Q(input_cap__gt=0), name="taskclass_input_cap_positive"),
+            models.CheckConstraint(condition=Q(ramp_percent__lte=100), name="taskclass_ramp_percent_le_100"),
+        ]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class ModelPool(models.Model):
+    slug = models.SlugField(max_length=64, unique=True)
+    region = models.CharField(max_length=32)
+    provider_base_url = models.CharField(
+        max_length=300, blank=True, help_text="Base URL of the provider adapter used for lookups (simulator or real)."
+    )
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Tokenizer(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    family = models.CharField(max_length=40, help_text="e.g. byte-level-bpe, byte-level-bpe-nfkc")
+    source = models.CharField(max_length=300, help_text="Where the file came from (package and member).")
+    file_name = models.CharField(max_length=200, help_text="File name under TOKENIZER_DIR.")
+    digest = models.CharField(max_length=71, unique=True, help_text="sha256: + hex digest of the file's bytes.")
+    nfkc = models.BooleanField(default=False, help_text="The tokenizer applies NFKC before BPE.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(digest__regex=r"^sha256:[0-9a-f]{64}$"), name="tokenizer_digest_format")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.digest[:19]}…)"
+
+
+class ImageFormula(models.TextChoices):
+    TILES_512 = "tiles512", "85 + 170 per 512px tile"
+    PIXELS_750 = "pixels750", "width × height / 750"
+    NONE = "none", "Images not supported"
+
+
+class ModelRevision(models.Model):
+    name = models.CharField(max_length=100, unique=True, help_text="model@YYYY-MM-DD")
+    pools = models.ManyToManyField(ModelPool, related_name="revisions")
+    tokenizer = models.ForeignKey(Tokenizer, on_delete=models.PROTECT, related_name="model_revisions")
+    context_window = models.PositiveIntegerField()
+    max_output = models.PositiveIntegerField()
+    template_family = models.CharField(max_length=40)
+    image_formula = models.CharField(max_length=16, choices=ImageFormula.choices, default=ImageFormula.NONE)
+    capabilities = models.JSONField(default=list, help_text='Subset of ["tools", "json_schema", "vision"].')
+    data_residency = models.CharField(max_length=32)
+    safety_tier = models.PositiveSmallIntegerField(default=1)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(context_window__gt=0), name="modelrevision_window_positive"),
+            models.CheckConstraint(condition=Q(max_output__gt=0), name="modelrevision_max_output_positive"),
+            models.CheckConstraint(
+                condition=Q(max_output__lt=models.F("context_window")), name="modelrevision_output_below_window"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ServiceClient(models.Model):
+    name = models.CharField(max_length=100, unique=True)
+    tenants = models.ManyToManyField(Tenant, related_name="service_clients", blank=True)
+    is_active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def hash_token(raw: str) -> str:
+    """API tokens are stored as their sha256; the raw value is shown once."""
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def new_token_value() -> str:
+    return "tb_" + secrets.token_urlsafe(32)
+
+
+class ApiToken(models.Model):
+    client = models.ForeignKey(ServiceClient, on_delete=models.CASCADE, related_name="tokens")
+    token_hash = models.CharField(max_length=64, unique=True)
+    prefix = models.CharField(max_length=12, help_text="First characters, to recognise a token without storing it.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.client.name}:{self.prefix}…"
+
+
+class PolicyState(models.TextChoices):
+    DRAFT = "DRAFT", "Draft"
+    VALIDATED = "VALIDATED", "Validated (immutable)"
+
+
+class PolicyVersion(models.Model):
+    revision = models.PositiveIntegerField(unique=True)
+    state = models.CharField(max_length=10, choices=PolicyState.choices, default=PolicyState.DRAFT)
+    document = models.JSONField()
+    note = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    validated_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-revision"]
+
+    def __str__(self) -> str:
+        return f"policy r{self.revision} ({self.state})"
+
+
+class PolicyAlias(models.Model):
+    name = models.SlugField(max_length=40, unique=True)
+    version = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="+")
+    previous = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    global_cap_floor = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Lower global per-request cap kept after a rollback."
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} → r{self.version.revision}"
+
+
+class Manifest(models.Model):
+    """The replayable record of one admission decision (SPEC §7)."""
+
+    request_id = models.CharField(max_length=128)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="manifests")
+    task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, related_name="+")
+    model_pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, related_name="+")
+    model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
+    tokenizer_digest = models.CharField(max_length=71)
+    policy_revision = models.PositiveIntegerField(null=True, blank=True)
+    decision = models.CharField(max_length=32)
+    rung = models.CharField(max_length=32)
+    mode = models.CharField(max_length=8, choices=RolloutMode.choices)
+    rendered_digest = models.CharField(max_length=71)
+    input_tokens = models.PositiveIntegerField()
+    count_method = models.CharField(max_length=16)
+    request = models.JSONField(help_text="The admission request as received (components included) for replay.")
+    record = models.JSONField(help_text="Locked revisions, digests, per-component counts, ladder steps.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["tenant", "request_id"]), models.Index(fields=["created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.decision}/{self.rung}"

@@ -1,0 +1,342 @@
+"""Capacity accounts, reservations (a django-fsm lifecycle), usage events and the append-only ledger.
+
+Integrity lives in the database: non-negative balances, the output conservation equation
+``captured + remaining + released = output_reserved + top_ups``, unique idempotency keys and usage-event ids.
+Ledger rows cannot be updated or deleted (a trigger refuses it; see migration 0002).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import F, Q
+from django_fsm import FSMField, FSMModelMixin, transition
+
+from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+
+
+class Scope(models.TextChoices):
+    TENANT = "TENANT", "Tenant"
+    TENANT_TASK = "TENANT_TASK", "Tenant × task class"
+    POOL = "POOL", "Model pool (all tenants)"
+
+
+class Period(models.TextChoices):
+    MONTH = "MONTH", "Calendar month (UTC)"
+    DAY = "DAY", "Day (UTC)"
+    NONE = "NONE", "No period"
+
+
+class CapacityAccount(models.Model):
+    """A budget at one scope. Balances change only through ``ledger.services`` and always with an entry."""
+
+    scope = models.CharField(max_length=12, choices=Scope.choices)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="accounts")
+    task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, null=True, blank=True, related_name="accounts")
+    period = models.CharField(max_length=5, choices=Period.choices, default=Period.MONTH)
+    period_start = models.DateTimeField(help_text="Start of the current period (UTC).")
+    input_limit = models.BigIntegerField(null=True, blank=True, help_text="Empty means unlimited.")
+    output_limit = models.BigIntegerField(null=True, blank=True, help_text="Empty means unlimited.")
+    concurrency_limit = models.IntegerField(null=True, blank=True, help_text="Empty means unlimited.")
+    input_reserved = models.BigIntegerField(default=0)
+    output_reserved = models.BigIntegerField(default=0)
+    input_consumed = models.BigIntegerField(default=0)
+    output_consumed = models.BigIntegerField(default=0)
+    in_flight = models.IntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tenant"], condition=Q(scope="TENANT"), name="account_unique_tenant_scope"
+            ),
+            models.UniqueConstraint(
+                fields=["tenant", "task_class"], condition=Q(scope="TENANT_TASK"), name="account_unique_tenant_task"
+            ),
+            models.UniqueConstraint(fields=["pool"], condition=Q(scope="POOL"), name="account_unique_pool_scope"),
+            models.CheckConstraint(
+                condition=(
+                    Q(scope="TENANT", tenant__isnull=False, task_class__isnull=True, pool__isnull=True)
+                    | Q(scope="TENANT_TASK", tenant__isnull=False, task_class__isnull=False, pool__isnull=True)
+                    | Q(scope="POOL", tenant__isnull=True, task_class__isnull=True, pool__isnull=False)
+                ),
+                name="account_scope_keys",
+            ),
+            models.CheckConstraint(
+                condition=Q(input_reserved__gte=0)
+                & Q(output_reserved__gte=0)
+                & Q(input_consumed__gte=0)
+                & Q(output_consumed__gte=0)
+                & Q(in_flight__gte=0),
+                name="account_balances_non_negative",
+            ),
+            models.CheckConstraint(
+                condition=(Q(input_limit__isnull=True) | Q(input_limit__gte=0))
+                & (Q(output_limit__isnull=True) | Q(output_limit__gte=0))
+                & (Q(concurrency_limit__isnull=True) | Q(concurrency_limit__gte=0)),
+                name="account_limits_non_negative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        if self.scope == Scope.TENANT:
+            return f"tenant {self.tenant_id and self.tenant}"
+        if self.scope == Scope.TENANT_TASK:
+            return f"tenant {self.tenant} × {self.task_class}"
+        return f"pool {self.pool}"
+
+    @property
+    def label(self) -> str:
+        return str(self)
+
+
+class State(models.TextChoices):
+    PROPOSED = "PROPOSED"
+    RESERVED = "RESERVED"
+    DISPATCHED = "DISPATCHED"
+    RUNNING = "RUNNING"
+    PARTIALLY_SETTLED = "PARTIALLY_SETTLED"
+    SETTLED = "SETTLED"
+    REJECTED = "REJECTED"
+    RECONCILING = "RECONCILING"
+
+
+class Outcome(models.TextChoices):
+    COMPLETED = "COMPLETED"
+    RELEASED = "RELEASED"
+    RECONCILED = "RECONCILED"
+
+
+IN_CALL = [State.DISPATCHED, State.RUNNING]
+AFTER_DISPATCH = [State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED]
+
+
+class Reservation(FSMModelMixin, models.Model):
+    """One admitted (or queued, or rejected) request and its holds. Transitions only set fields."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="reservations")
+    task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, related_name="+")
+    model_pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, related_name="+")
+    model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
+    request_id = models.CharField(max_length=128)
+    idempotency_key = models.CharField(max_length=200)
+    rendered_digest = models.CharField(max_length=71)
+    admitted_digest = models.CharField(max_length=71)
+    manifest = models.ForeignKey(
+        "budgeting.Manifest", on_delete=models.PROTECT, null=True, blank=True, related_name="reservations"
+    )
+    policy_revision = models.PositiveIntegerField(null=True, blank=True)
+    rung = models.CharField(max_length=32, default="FULL")
+    mode = models.CharField(max_length=8, choices=RolloutMode.choices, default=RolloutMode.ENFORCE)
+
+    state = FSMField(default=State.PROPOSED, choices=State.choices, protected=True)
+    outcome = models.CharField(max_length=10, choices=Outcome.choices, blank=True)
+
+    input_reserved = models.BigIntegerField(default=0)
+    input_consumed = models.BigIntegerField(default=0)
+    input_reported = models.BigIntegerField(null=True, blank=True, help_text="Input tokens the provider reported.")
+    output_reserved = models.BigIntegerField(default=0)
+    top_ups = models.BigIntegerField(default=0)
+    captured = models.BigIntegerField(default=0)
+    remaining = models.BigIntegerField(default=0)
+    released = models.BigIntegerField(default=0)
+    overrun = models.BigIntegerField(default=0)
+    concurrency_held = models.BooleanField(default=False)
+
+    provider_request_id = models.CharField(max_length=200, blank=True)
+    fence = models.BigIntegerField(default=1)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    failure_reason = models.CharField(max_length=300, blank=True)
+    queue_deadline = models.DateTimeField(null=True, blank=True)
+    request_body = models.JSONField(null=True, blank=True, help_text="Kept while queued, to admit later.")
+    response_body = models.JSONField(null=True, blank=True, help_text="The first answer, for idempotent replays.")
+
+    task_success = models.BooleanField(null=True, blank=True)
+    cited_evidence_ids = models.JSONField(null=True, blank=True)
+    minimum_evidence_ids = models.JSONField(default=list, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    settled_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "idempotency_key"], name="reservation_unique_idempotency_key"),
+            models.CheckConstraint(
+                condition=Q(captured__gte=0)
+                & Q(remaining__gte=0)
+                & Q(released__gte=0)
+                & Q(overrun__gte=0)
+                & Q(top_ups__gte=0)
+                & Q(output_reserved__gte=0)
+                & Q(input_reserved__gte=0)
+                & Q(input_consumed__gte=0),
+                name="reservation_amounts_non_negative",
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    captured=F("output_reserved") + F("top_ups") - F("remaining") - F("released"),
+                ),
+                name="reservation_output_conservation",
+            ),
+            models.CheckConstraint(condition=Q(fence__gte=1), name="reservation_fence_positive"),
+        ]
+        indexes = [
+            models.Index(fields=["state", "lease_expires_at"]),
+            models.Index(fields=["state", "created_at"]),
+            models.Index(fields=["provider_request_id"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} [{self.state}]"
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state in {State.RESERVED, State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED,
+                              State.RECONCILING}
+
+    # Transitions only set fields; services lock the row, call them and save.
+
+    @transition(field=state, source=State.PROPOSED, target=State.RESERVED)
+    def admit_from_queue(self) -> None:
+        self.request_body = None
+
+    @transition(field=state, source=State.PROPOSED, target=State.REJECTED)
+    def reject_queued(self, reason: str) -> None:
+        self.failure_reason = reason
+        self.request_body = None
+
+    @transition(field=state, source=State.RESERVED, target=State.DISPATCHED)
+    def dispatch(self, provider_request_id: str) -> None:
+        self.provider_request_id = provider_request_id
+        self.input_consumed = self.input_reserved
+
+    @transition(field=state, source=State.DISPATCHED, target=State.RUNNING)
+    def start_running(self) -> None:
+        """The first non-final usage event arrived."""
+
+    @transition(field=state, source=State.RESERVED, target=State.SETTLED)
+    def release_undispatched(self) -> None:
+        self.outcome = Outcome.RELEASED
+        self._release_rest()
+
+    @transition(field=state, source=State.DISPATCHED, target=State.SETTLED)
+    def release_unprocessed(self) -> None:
+        """The provider provably never processed the request: input is refunded too."""
+        self.outcome = Outcome.RELEASED
+        self.input_consumed = 0
+        self._release_rest()
+
+    @transition(field=state, source=[*IN_CALL, State.PARTIALLY_SETTLED], target=State.SETTLED)
+    def complete(self) -> None:
+        self.outcome = Outcome.COMPLETED
+        self._release_rest()
+
+    @transition(field=state, source=IN_CALL, target=State.PARTIALLY_SETTLED)
+    def settle_partially(self, reason: str) -> None:
+        self.failure_reason = reason
+
+    @transition(field=state, source=AFTER_DISPATCH, target=State.RECONCILING)
+    def freeze_unknown(self) -> None:
+        """Outcome unknown after the lease expired: nothing is released."""
+
+    @transition(field=state, source=[State.RECONCILING, *AFTER_DISPATCH], target=State.SETTLED)
+    def reconcile(self) -> None:
+        self.outcome = Outcome.RECONCILED
+        self._release_rest()
+
+    @transition(field=state, source=State.RECONCILING, target=State.SETTLED)
+    def reconcile_unprocessed(self) -> None:
+        self.outcome = Outcome.RELEASED
+        self.input_consumed = 0
+        self._release_rest()
+
+    def _release_rest(self) -> None:
+        self.released += self.remaining
+        self.remaining = 0
+
+
+class Hold(models.Model):
+    """Which accounts a reservation holds capacity on (the amounts are the reservation's)."""
+
+    reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="holds")
+    account = models.ForeignKey(CapacityAccount, on_delete=models.PROTECT, related_name="holds")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["reservation", "account"], name="hold_unique")]
+
+
+class EntryKind(models.TextChoices):
+    HOLD = "HOLD", "Hold (reserve)"
+    POST = "POST", "Post (consume)"
+    RELEASE = "RELEASE", "Release"
+    TOP_UP = "TOP_UP", "Top-up hold"
+    CORRECTION = "CORRECTION", "Correction"
+    ROLLOVER = "ROLLOVER", "Period roll-over"
+
+
+class LedgerEntry(models.Model):
+    """An append-only change to one account's balances; balances equal the sum of their entries."""
+
+    account = models.ForeignKey(CapacityAccount, on_delete=models.PROTECT, related_name="entries")
+    reservation = models.ForeignKey(
+        Reservation, on_delete=models.PROTECT, null=True, blank=True, related_name="entries"
+    )
+    kind = models.CharField(max_length=10, choices=EntryKind.choices)
+    input_reserved = models.BigIntegerField(default=0)
+    output_reserved = models.BigIntegerField(default=0)
+    input_consumed = models.BigIntegerField(default=0)
+    output_consumed = models.BigIntegerField(default=0)
+    in_flight = models.IntegerField(default=0)
+    period_start = models.DateTimeField()
+    reason = models.CharField(max_length=300, blank=True)
+    created_by = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        verbose_name_plural = "ledger entries"
+        indexes = [models.Index(fields=["account", "id"]), models.Index(fields=["created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.kind} #{self.pk} on {self.account_id}"
+
+
+class UsageEvent(models.Model):
+    reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="usage_events")
+    usage_event_id = models.CharField(max_length=200)
+    input_tokens = models.BigIntegerField(null=True, blank=True)
+    output_tokens = models.BigIntegerField()
+    final = models.BooleanField(default=False)
+    captured = models.BigIntegerField(default=0, help_text="Part of output_tokens taken from the reservation.")
+    overrun = models.BigIntegerField(default=0, help_text="Part of output_tokens beyond the reservation.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["id"]
+        constraints = [
+            models.UniqueConstraint(fields=["reservation", "usage_event_id"], name="usage_event_unique_id"),
+            models.CheckConstraint(
+                condition=Q(output_tokens__gte=0) & (Q(input_tokens__isnull=True) | Q(input_tokens__gte=0)),
+                name="usage_event_non_negative",
+            ),
+        ]
+
+
+class TopUp(models.Model):
+    reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="top_up_records")
+    top_up_id = models.CharField(max_length=200)
+    output_tokens = models.BigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["reservation", "top_up_id"], name="top_up_unique_id"),
+            models.CheckConstraint(condition=Q(output_tokens__gt=0), name="top_up_positive"),
+        ]

@@ -1,0 +1,1 @@
+"""Billing imports and their findings (filled by the reconciliation issue)."""
