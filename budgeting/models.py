@@ -38,6 +38,12 @@ class TaskClass(models.Model):
     ramp_percent = models.PositiveSmallIntegerField(
         default=100, help_text="Share of ENFORCE traffic (stable hash of requestId) that holds capacity."
     )
+    tenant_account_defaults = models.JSONField(
+        null=True,
+        blank=True,
+        help_text="Limits for a tenant × task-class account created on a tenant's first request "
+        '({"period": "MONTH", "inputLimit": n, "outputLimit": n, "concurrencyLimit": n}).',
+    )
 
     class Meta:
         ordering = ["slug"]
@@ -118,6 +124,9 @@ class ModelRevision(models.Model):
 
 
 class ServiceClient(models.Model):
+    # DRF's IsAuthenticated asks the authenticated principal this.
+    is_authenticated = True
+
     name = models.CharField(max_length=100, unique=True)
     tenants = models.ManyToManyField(Tenant, related_name="service_clients", blank=True)
     is_active = models.BooleanField(default=True)

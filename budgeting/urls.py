@@ -1,6 +1,23 @@
 from django.contrib import admin
 from django.urls import path
+from drf_spectacular.views import SpectacularAPIView
+
+from budgeting import views
+
+R = "api/v1/reservations/<str:reservation_id>"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1/admissions", views.AdmissionView.as_view(), name="admissions"),
+    path("api/v1/admissions:count", views.CountView.as_view(), name="admissions-count"),
+    path(R, views.ReservationView.as_view(), name="reservation"),
+    path(f"{R}/dispatch", views.DispatchView.as_view(), name="reservation-dispatch"),
+    path(f"{R}/usage", views.UsageView.as_view(), name="reservation-usage"),
+    path(f"{R}/top-up", views.TopUpView.as_view(), name="reservation-top-up"),
+    path(f"{R}/cancel", views.CancelView.as_view(), name="reservation-cancel"),
+    path(f"{R}/fail", views.FailView.as_view(), name="reservation-fail"),
+    path(f"{R}/lease", views.LeaseView.as_view(), name="reservation-lease"),
+    path(f"{R}/outcome", views.OutcomeView.as_view(), name="reservation-outcome"),
+    path("api/v1/schema", SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
+         name="schema"),
 ]

@@ -1,0 +1,184 @@
+"""The v1 REST API. One view per operation: parse, make one service call, translate the result."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db.models import QuerySet
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import serializers as drf_serializers
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from budgeting import admission
+from budgeting.models import ServiceClient, Tenant
+from budgeting.problems import InvalidInput, NotFound
+from budgeting.serializers import (
+    AdmissionIn,
+    DispatchIn,
+    FailIn,
+    FenceIn,
+    OutcomeIn,
+    TopUpIn,
+    UsageIn,
+)
+from ledger import selectors, services
+
+ProblemOut = inline_serializer(
+    "Problem",
+    {
+        "type": drf_serializers.CharField(),
+        "title": drf_serializers.CharField(),
+        "status": drf_serializers.IntegerField(),
+        "code": drf_serializers.CharField(),
+        "detail": drf_serializers.CharField(),
+    },
+)
+ERRORS = {status: ProblemOut for status in (400, 401, 404, 409, 413, 415, 422, 429, 503)}
+AnyObject = drf_serializers.DictField()
+
+
+class TenantScopedView(APIView):
+    """Tenant scoping happens here, once: every query is filtered by the client's tenants."""
+
+    def client(self) -> ServiceClient:
+        client = self.request.user
+        assert isinstance(client, ServiceClient)
+        return client
+
+    def tenants(self) -> QuerySet[Tenant]:
+        return self.client().tenants.all()
+
+    def tenant_ids(self) -> list[int]:
+        return list(self.tenants().values_list("pk", flat=True))
+
+    def validated(self, serializer_class: type[drf_serializers.Serializer], data: Any) -> dict[str, Any]:
+        serializer = serializer_class(data=data)
+        if not serializer.is_valid():
+            raise InvalidInput("the body does not match the schema", errors=serializer.errors)
+        return dict(serializer.validated_data)
+
+
+def _reservation_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise NotFound("no such reservation") from None
+
+
+class AdmissionView(TenantScopedView):
+    @extend_schema(request=AdmissionIn, responses={200: AnyObject, 201: AnyObject, 202: AnyObject, **ERRORS},
+                   operation_id="admit")
+    def post(self, request: Request) -> Response:
+        key = request.headers.get("Idempotency-Key", "")
+        body = self.validated(AdmissionIn, request.data)
+        result = admission.admit(tenants=self.tenants(), envelope=body, raw=request.data, idempotency_key=key,
+                                 now=timezone.now())
+        response = Response(result.body, status=result.status)
+        for name, value in result.headers.items():
+            response[name] = value
+        return response
+
+
+class CountView(TenantScopedView):
+    @extend_schema(request=AdmissionIn, responses={200: AnyObject, **ERRORS}, operation_id="countAdmission")
+    def post(self, request: Request) -> Response:
+        body = self.validated(AdmissionIn, request.data)
+        result = admission.count(tenants=self.tenants(), envelope=body, raw=request.data, now=timezone.now())
+        return Response(result.body, status=result.status)
+
+
+class ReservationView(TenantScopedView):
+    @extend_schema(responses={200: AnyObject, **ERRORS}, operation_id="getReservation")
+    def get(self, request: Request, reservation_id: str) -> Response:
+        reservation = selectors.reservation_for(_reservation_id(reservation_id), self.tenant_ids())
+        if reservation is None:
+            raise NotFound("no such reservation")
+        return Response(selectors.reservation_detail(reservation))
+
+
+class _LifecycleView(TenantScopedView):
+    def respond(self, reservation_id: uuid.UUID, **extra: Any) -> Response:
+        reservation = selectors.reservation_for(reservation_id, self.tenant_ids())
+        assert reservation is not None
+        return Response({**selectors.reservation_detail(reservation), **extra})
+
+
+class DispatchView(_LifecycleView):
+    @extend_schema(request=DispatchIn, responses={200: AnyObject, **ERRORS}, operation_id="dispatchReservation")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(DispatchIn, request.data)
+        services.dispatch(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"],
+                          provider_request_id=body["providerRequestId"], admitted_digest=body["admittedDigest"],
+                          now=timezone.now())
+        return self.respond(rid)
+
+
+class UsageView(_LifecycleView):
+    @extend_schema(request=UsageIn, responses={200: AnyObject, **ERRORS}, operation_id="recordUsage")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(UsageIn, request.data)
+        usage = services.Usage(usage_event_id=body["usageEventId"], output_tokens=body["outputTokens"],
+                               input_tokens=body.get("inputTokens"), final=body["final"])
+        _, applied = services.record_usage(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"],
+                                           usage=usage, now=timezone.now())
+        return self.respond(rid, applied=applied)
+
+
+class TopUpView(_LifecycleView):
+    @extend_schema(request=TopUpIn, responses={200: AnyObject, **ERRORS}, operation_id="topUpReservation")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(TopUpIn, request.data)
+        _, applied = services.top_up(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"],
+                                     top_up_id=body["topUpId"], output_tokens=body["outputTokens"],
+                                     now=timezone.now())
+        return self.respond(rid, applied=applied)
+
+
+class CancelView(_LifecycleView):
+    @extend_schema(request=FenceIn, responses={200: AnyObject, **ERRORS}, operation_id="cancelReservation")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(FenceIn, request.data)
+        services.cancel(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], now=timezone.now())
+        return self.respond(rid)
+
+
+class FailView(_LifecycleView):
+    @extend_schema(request=FailIn, responses={200: AnyObject, **ERRORS}, operation_id="failReservation")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(FailIn, request.data)
+        raw_usage = body.get("usage")
+        usage = None
+        if raw_usage:
+            usage = services.Usage(usage_event_id=raw_usage["usageEventId"], output_tokens=raw_usage["outputTokens"],
+                                   input_tokens=raw_usage.get("inputTokens"), final=False)
+        services.fail(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], reason=body["reason"],
+                      request_sent=body["requestSent"], usage=usage, now=timezone.now())
+        return self.respond(rid)
+
+
+class LeaseView(_LifecycleView):
+    @extend_schema(request=FenceIn, responses={200: AnyObject, **ERRORS}, operation_id="renewLease")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(FenceIn, request.data)
+        services.renew_lease(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"])
+        return self.respond(rid)
+
+
+class OutcomeView(_LifecycleView):
+    @extend_schema(request=OutcomeIn, responses={200: AnyObject, **ERRORS}, operation_id="reportOutcome")
+    def post(self, request: Request, reservation_id: str) -> Response:
+        rid = _reservation_id(reservation_id)
+        body = self.validated(OutcomeIn, request.data)
+        services.record_outcome(reservation_id=rid, tenant_ids=self.tenant_ids(), task_success=body["taskSuccess"],
+                                cited_evidence_ids=body["citedEvidenceIds"])
+        return self.respond(rid)

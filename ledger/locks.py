@@ -1,0 +1,46 @@
+"""Every row lock of the ledger, in one place and one canonical order.
+
+Order: a reservation row first (at most one per transaction), then capacity accounts by ascending primary key.
+Admission inserts its (new, uncontended) reservation row and then updates accounts in the same ascending order,
+so two transactions never wait on each other in opposite directions and cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+from django.db import connection
+
+from ledger.models import CapacityAccount, Reservation
+
+
+def lock_reservation(reservation_id: uuid.UUID, tenant_ids: Iterable[int] | None = None) -> Reservation | None:
+    """Lock and return a fresh copy of one reservation, or None if it does not exist for these tenants.
+
+    FOR UPDATE because every lifecycle write reads state, fence and amounts and then writes them: without the
+    lock two usage events could both read ``remaining`` and capture it twice.
+    """
+    queryset = Reservation.objects.select_for_update(of=("self",)).filter(pk=reservation_id)
+    if tenant_ids is not None:
+        queryset = queryset.filter(tenant_id__in=list(tenant_ids))
+    return queryset.first()
+
+
+def lock_account(account_id: int) -> CapacityAccount:
+    """Lock one account row (roll-over and corrections read balances before writing entries)."""
+    return CapacityAccount.objects.select_for_update().get(pk=account_id)
+
+
+def try_lock_reservations(ids: list[uuid.UUID]) -> list[Reservation]:
+    """Lock the given reservations that no one else holds, skipping locked rows (reclaimers share work)."""
+    return list(
+        Reservation.objects.select_for_update(skip_locked=True, of=("self",)).filter(pk__in=ids).order_by("pk")
+    )
+
+
+def db_now() -> object:
+    """The database clock: leases and fences never trust an application server's clock."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        return cursor.fetchone()[0]

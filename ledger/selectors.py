@@ -1,0 +1,142 @@
+"""Reads of the ledger: reservation detail, balances, the audit."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db.models import Sum
+
+from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
+
+
+def reservation_for(reservation_id: uuid.UUID, tenant_ids: Iterable[int]) -> Reservation | None:
+    return (
+        Reservation.objects.select_related("tenant", "task_class", "model_pool", "model_revision")
+        .filter(pk=reservation_id, tenant_id__in=list(tenant_ids))
+        .first()
+    )
+
+
+def reservation_detail(reservation: Reservation) -> dict[str, Any]:
+    """The GET /reservations/{id} body (SPEC §8), camelCase."""
+    return {
+        "reservationId": str(reservation.pk),
+        "requestId": reservation.request_id,
+        "tenantId": reservation.tenant.slug,
+        "taskClass": reservation.task_class.slug,
+        "modelPool": reservation.model_pool.slug,
+        "modelRevision": reservation.model_revision.name,
+        "state": reservation.state,
+        "outcome": reservation.outcome or None,
+        "mode": reservation.mode,
+        "rung": reservation.rung,
+        "policyRevision": reservation.policy_revision,
+        "input": {
+            "reserved": reservation.input_reserved,
+            "consumed": reservation.input_consumed,
+            "reported": reservation.input_reported,
+        },
+        "output": {
+            "reserved": reservation.output_reserved,
+            "topUps": reservation.top_ups,
+            "captured": reservation.captured,
+            "remaining": reservation.remaining,
+            "released": reservation.released,
+            "overrun": reservation.overrun,
+        },
+        "concurrencyHeld": reservation.concurrency_held,
+        "providerRequestId": reservation.provider_request_id or None,
+        "admittedDigest": reservation.admitted_digest,
+        "lease": {
+            "fence": reservation.fence,
+            "expiresAt": reservation.lease_expires_at.isoformat() if reservation.lease_expires_at else None,
+        },
+        "failureReason": reservation.failure_reason or None,
+        "usageEvents": [
+            {
+                "usageEventId": e.usage_event_id,
+                "inputTokens": e.input_tokens,
+                "outputTokens": e.output_tokens,
+                "final": e.final,
+                "captured": e.captured,
+                "overrun": e.overrun,
+                "at": e.created_at.isoformat(),
+            }
+            for e in reservation.usage_events.order_by("id")
+        ],
+        "ledgerEntries": [
+            {
+                "id": e.pk,
+                "account": e.account_id,
+                "kind": e.kind,
+                "inputReserved": e.input_reserved,
+                "outputReserved": e.output_reserved,
+                "inputConsumed": e.input_consumed,
+                "outputConsumed": e.output_consumed,
+                "inFlight": e.in_flight,
+                "reason": e.reason,
+                "at": e.created_at.isoformat(),
+            }
+            for e in reservation.entries.order_by("id")
+        ],
+        "manifestId": reservation.manifest_id,
+        "createdAt": reservation.created_at.isoformat(),
+        "dispatchedAt": reservation.dispatched_at.isoformat() if reservation.dispatched_at else None,
+        "settledAt": reservation.settled_at.isoformat() if reservation.settled_at else None,
+        "updatedAt": reservation.updated_at.isoformat(),
+    }
+
+
+BALANCE_FIELDS = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")
+TERMINAL = {State.SETTLED, State.REJECTED}
+
+
+@dataclass
+class AuditReport:
+    accounts_checked: int = 0
+    reservations_checked: int = 0
+    violations: list[str] = field(default_factory=list)
+    leaks: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.leaks
+
+
+def audit(now: Any = None) -> AuditReport:
+    """Check the ledger's invariants: balances equal the sum of their entries (since the last roll-over for
+    consumed balances), over-limit holds, the output conservation equation, and leaked holds (a terminal
+    reservation that still holds concurrency, or an expired lease on a dispatched call not in RECONCILING)."""
+    report = AuditReport()
+    sums = {
+        row["account_id"]: row
+        for row in LedgerEntry.objects.values("account_id").annotate(**{f: Sum(f) for f in BALANCE_FIELDS})
+    }
+    for account in CapacityAccount.objects.all():
+        report.accounts_checked += 1
+        totals = sums.get(account.pk, {})
+        for name in BALANCE_FIELDS:
+            expected = totals.get(name) or 0
+            if getattr(account, name) != expected:
+                report.violations.append(
+                    f"account {account.pk} ({account.label}): {name}={getattr(account, name)} but entries sum "
+                    f"to {expected}"
+                )
+    for reservation in Reservation.objects.exclude(state__in=[State.PROPOSED]).iterator():
+        report.reservations_checked += 1
+        r = reservation
+        if r.captured + r.remaining + r.released != r.output_reserved + r.top_ups:
+            report.violations.append(f"reservation {r.pk}: output conservation broken")
+        if r.state in TERMINAL and (r.concurrency_held or r.remaining):
+            report.leaks.append(f"reservation {r.pk}: {r.state} still holds capacity")
+        if (
+            now is not None
+            and r.state in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}
+            and r.lease_expires_at is not None
+            and r.lease_expires_at < now
+        ):
+            report.leaks.append(f"reservation {r.pk}: lease expired in {r.state}, not RECONCILING")
+    return report

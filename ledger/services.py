@@ -1,0 +1,739 @@
+"""The write path of the ledger: every change of an account or a reservation goes through here.
+
+Each use case owns its ``transaction.atomic(durable=True)`` boundary, locks through ``ledger.locks`` in the
+canonical order, applies a django-fsm transition on the freshly locked row, writes one ledger entry per account
+balance change, and saves. Domain errors are ``Problem`` subclasses with stable codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db.models import F
+
+from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.problems import Conflict, NotFound, Problem, Unavailable
+from ledger import locks
+from ledger.models import (
+    CapacityAccount,
+    EntryKind,
+    Hold,
+    LedgerEntry,
+    Outcome,
+    Period,
+    Reservation,
+    Scope,
+    State,
+    TopUp,
+    UsageEvent,
+)
+from ledger.periods import period_start_for
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_ATTEMPTS = 4
+
+
+class QuotaExceeded(Problem):
+    status = 429
+    code = "QUOTA_EXCEEDED"
+    title = "Not enough capacity on an account"
+
+
+class StaleFence(Problem):
+    status = 409
+    code = "STALE_FENCE"
+    title = "The lease fence is not the reservation's current fence"
+
+
+class InvalidTransition(Problem):
+    status = 409
+    code = "INVALID_TRANSITION"
+    title = "The reservation's state does not allow this"
+
+
+class UsageEventConflict(Problem):
+    status = 409
+    code = "USAGE_EVENT_CONFLICT"
+    title = "This usageEventId was already recorded with different amounts"
+
+
+class PayloadChanged(Problem):
+    status = 409
+    code = "PAYLOAD_CHANGED"
+    title = "The dispatched payload is not the admitted one"
+
+
+class IdempotencyConflict(Problem):
+    status = 409
+    code = "IDEMPOTENCY_CONFLICT"
+    title = "This Idempotency-Key was used for a different request"
+
+
+class RequestSent:
+    YES = "yes"
+    NO = "no"
+    UNKNOWN = "unknown"
+
+
+def with_retries(operation: Callable[[], T]) -> T:
+    """Run a transaction, retrying deadlocks and serialization failures a bounded number of times.
+
+    Raises Unavailable (503 with Retry-After) when every attempt failed that way.
+    """
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            return operation()
+        except OperationalError as exc:
+            sqlstate = getattr(getattr(exc, "__cause__", None), "sqlstate", None)
+            if sqlstate not in {"40P01", "40001"}:
+                raise
+            logger.warning("retrying after %s (attempt %d)", sqlstate, attempt)
+            time.sleep(0.005 * attempt)
+    raise Unavailable("database contention; retry", code="CONTENTION", headers={"Retry-After": "1"})
+
+
+# --- accounts ---------------------------------------------------------------------------------------------
+
+
+def _current_period_start(account: CapacityAccount, now: datetime) -> datetime:
+    return period_start_for(account.period, now)
+
+
+def applicable_accounts(*, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
+                        ) -> list[CapacityAccount]:
+    """The accounts a request for (tenant, task class, pool) holds on, in lock order.
+
+    A tenant × task-class account that does not exist yet is created from the task class's defaults; many
+    threads doing it at once is safe (INSERT … ON CONFLICT DO NOTHING on the partial unique index).
+    """
+    defaults = task_class.tenant_account_defaults
+    if defaults and not CapacityAccount.objects.filter(
+        scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class
+    ).exists():
+        period = defaults.get("period", Period.MONTH)
+        CapacityAccount.objects.bulk_create(
+            [
+                CapacityAccount(
+                    scope=Scope.TENANT_TASK,
+                    tenant=tenant,
+                    task_class=task_class,
+                    period=period,
+                    period_start=period_start_for(period, now),
+                    input_limit=defaults.get("inputLimit"),
+                    output_limit=defaults.get("outputLimit"),
+                    concurrency_limit=defaults.get("concurrencyLimit"),
+                )
+            ],
+            ignore_conflicts=True,
+        )
+    accounts = list(
+        CapacityAccount.objects.filter(scope=Scope.TENANT, tenant=tenant)
+        | CapacityAccount.objects.filter(scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class)
+        | CapacityAccount.objects.filter(scope=Scope.POOL, pool=pool)
+    )
+    for account in accounts:
+        if account.period_start < _current_period_start(account, now):
+            roll_over(account_id=account.pk, now=now)
+    return sorted(accounts, key=lambda a: a.pk)
+
+
+def roll_over(*, account_id: int, now: datetime) -> bool:
+    """Start a new quota period: consumed balances go back to zero through a ROLLOVER entry.
+
+    Outstanding holds (reserved, in flight) carry over. Idempotent: returns False when already rolled.
+    """
+    with transaction.atomic(durable=not connection.in_atomic_block):
+        account = locks.lock_account(account_id)
+        start = _current_period_start(account, now)
+        if account.period_start >= start:
+            return False
+        LedgerEntry.objects.create(
+            account=account,
+            kind=EntryKind.ROLLOVER,
+            input_consumed=-account.input_consumed,
+            output_consumed=-account.output_consumed,
+            period_start=start,
+            reason=f"period {account.period_start:%Y-%m-%d} closed",
+        )
+        CapacityAccount.objects.filter(pk=account.pk).update(
+            period_start=start, input_consumed=0, output_consumed=0
+        )
+        return True
+
+
+def _reserve_on(account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int) -> bool:
+    """Reserve on one account with one conditional UPDATE.
+
+    Race-free under Read Committed: PostgreSQL re-evaluates the WHERE clause on the latest row version after
+    waiting for a concurrent writer, so two transactions can never both pass the check on stale balances.
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            UPDATE ledger_capacityaccount
+               SET input_reserved = input_reserved + %(i)s,
+                   output_reserved = output_reserved + %(o)s,
+                   in_flight = in_flight + %(c)s
+             WHERE id = %(id)s
+               AND (input_limit IS NULL OR input_reserved + input_consumed + %(i)s <= input_limit)
+               AND (output_limit IS NULL OR output_reserved + output_consumed + %(o)s <= output_limit)
+               AND (concurrency_limit IS NULL OR %(c)s = 0 OR in_flight + %(c)s <= concurrency_limit)
+            """,
+            {"id": account.pk, "i": input_tokens, "o": output_tokens, "c": concurrency},
+        )
+        return cursor.rowcount == 1
+
+
+def _shortage(account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
+              ) -> QuotaExceeded:
+    fresh = CapacityAccount.objects.get(pk=account.pk)
+    checks = [
+        ("input", fresh.input_limit, fresh.input_reserved + fresh.input_consumed, input_tokens),
+        ("output", fresh.output_limit, fresh.output_reserved + fresh.output_consumed, output_tokens),
+        ("concurrency", fresh.concurrency_limit, fresh.in_flight, concurrency),
+    ]
+    for dimension, limit, used, requested in checks:
+        if limit is not None and requested and used + requested > limit:
+            available = max(limit - used, 0)
+            break
+    else:
+        dimension, requested, available = "input", input_tokens, 0
+    retry_after = 1 if dimension == "concurrency" else 60
+    return QuotaExceeded(
+        f"{fresh.label}: {dimension} needs {requested}, {available} available",
+        headers={"Retry-After": str(retry_after)},
+        account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
+        dimension=dimension,
+        requested=requested,
+        available=available,
+    )
+
+
+def _apply(reservation: Reservation, account_ids: Sequence[int], kind: str, *, reason: str = "",
+           input_reserved: int = 0, output_reserved: int = 0, input_consumed: int = 0, output_consumed: int = 0,
+           in_flight: int = 0, now: datetime) -> None:
+    """Move balances on every held account (ascending pk) and write one entry per account."""
+    if not any((input_reserved, output_reserved, input_consumed, output_consumed, in_flight)):
+        return
+    for account_id in sorted(account_ids):
+        CapacityAccount.objects.filter(pk=account_id).update(
+            input_reserved=F("input_reserved") + input_reserved,
+            output_reserved=F("output_reserved") + output_reserved,
+            input_consumed=F("input_consumed") + input_consumed,
+            output_consumed=F("output_consumed") + output_consumed,
+            in_flight=F("in_flight") + in_flight,
+        )
+    periods = dict(CapacityAccount.objects.filter(pk__in=account_ids).values_list("pk", "period_start"))
+    LedgerEntry.objects.bulk_create(
+        LedgerEntry(
+            account_id=account_id,
+            reservation=reservation,
+            kind=kind,
+            input_reserved=input_reserved,
+            output_reserved=output_reserved,
+            input_consumed=input_consumed,
+            output_consumed=output_consumed,
+            in_flight=in_flight,
+            period_start=periods[account_id],
+            reason=reason,
+        )
+        for account_id in sorted(account_ids)
+    )
+
+
+def _held_account_ids(reservation: Reservation) -> list[int]:
+    return sorted(Hold.objects.filter(reservation=reservation).values_list("account_id", flat=True))
+
+
+# --- admission --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdmissionSpec:
+    tenant: Tenant
+    task_class: TaskClass
+    pool: ModelPool
+    model_revision: ModelRevision
+    request_id: str
+    idempotency_key: str
+    rendered_digest: str
+    admitted_digest: str
+    input_tokens: int
+    output_tokens: int
+    policy_revision: int | None
+    rung: str
+    manifest_id: int | None
+    minimum_evidence_ids: tuple[str, ...] = ()
+    queue: bool = False
+    queue_deadline_seconds: int = 60
+    request_body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    reservation: Reservation
+    replayed: bool
+
+
+def find_by_idempotency_key(*, tenant: Tenant, idempotency_key: str, rendered_digest: str) -> Reservation | None:
+    """The earlier reservation for this key, or None. Raises IdempotencyConflict if its digest differs."""
+    existing = Reservation.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
+    if existing is None:
+        return None
+    if existing.rendered_digest != rendered_digest:
+        raise IdempotencyConflict(
+            "the same Idempotency-Key was used with a different rendered payload",
+            reservationId=str(existing.pk),
+        )
+    return existing
+
+
+def reserve(*, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
+            ) -> Admitted:
+    """Hold input, output and one concurrency slot on every applicable account in one transaction.
+
+    Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
+    queues, or the earlier reservation for the same idempotency key (replayed=True).
+    Raises QuotaExceeded (nothing written), IdempotencyConflict, or Unavailable after repeated contention.
+    """
+    earlier = find_by_idempotency_key(
+        tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
+    )
+    if earlier is not None:
+        return Admitted(earlier, replayed=True)
+    accounts = applicable_accounts(tenant=spec.tenant, task_class=spec.task_class, pool=spec.pool, now=now)
+
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            db_now = locks.db_now()
+            assert isinstance(db_now, datetime)
+            reservation = Reservation(
+                id=uuid.uuid4(),
+                tenant=spec.tenant,
+                task_class=spec.task_class,
+                model_pool=spec.pool,
+                model_revision=spec.model_revision,
+                request_id=spec.request_id,
+                idempotency_key=spec.idempotency_key,
+                rendered_digest=spec.rendered_digest,
+                admitted_digest=spec.admitted_digest,
+                manifest_id=spec.manifest_id,
+                policy_revision=spec.policy_revision,
+                rung=spec.rung,
+                mode=RolloutMode.ENFORCE,
+                state=State.RESERVED,
+                input_reserved=spec.input_tokens,
+                output_reserved=spec.output_tokens,
+                remaining=spec.output_tokens,
+                concurrency_held=True,
+                fence=1,
+                lease_expires_at=db_now + timedelta(seconds=settings.LEASE_SECONDS),
+                minimum_evidence_ids=list(spec.minimum_evidence_ids),
+            )
+            reservation.response_body = build_body(reservation)
+            # The insert comes first: a concurrent retry of the same key waits here on the unique index and
+            # then fails, before it touches any account.
+            reservation.save(force_insert=True)
+            for account in accounts:
+                if not _reserve_on(account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens,
+                                   concurrency=1):
+                    raise _ShortageSignal(account)
+            Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
+            _entries(reservation, accounts, EntryKind.HOLD, input_reserved=spec.input_tokens,
+                     output_reserved=spec.output_tokens, in_flight=1)
+            return reservation
+
+    try:
+        return Admitted(with_retries(attempt), replayed=False)
+    except IntegrityError:
+        earlier = find_by_idempotency_key(
+            tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
+        )
+        if earlier is None:
+            raise
+        return Admitted(earlier, replayed=True)
+    except _ShortageSignal as signal:
+        problem = _shortage(signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens,
+                            concurrency=1)
+        if spec.queue:
+            return _enqueue(spec, build_body, problem)
+        raise problem from None
+
+
+class _ShortageSignal(Exception):
+    def __init__(self, account: CapacityAccount) -> None:
+        super().__init__(account.pk)
+        self.account = account
+
+
+def _entries(reservation: Reservation, accounts: Iterable[CapacityAccount], kind: str, **deltas: int) -> None:
+    LedgerEntry.objects.bulk_create(
+        LedgerEntry(account=a, reservation=reservation, kind=kind, period_start=a.period_start, **deltas)
+        for a in accounts
+    )
+
+
+def _enqueue(spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], problem: QuotaExceeded
+             ) -> Admitted:
+    try:
+        with transaction.atomic(durable=True):
+            db_now = locks.db_now()
+            assert isinstance(db_now, datetime)
+            reservation = Reservation(
+                id=uuid.uuid4(),
+                tenant=spec.tenant,
+                task_class=spec.task_class,
+                model_pool=spec.pool,
+                model_revision=spec.model_revision,
+                request_id=spec.request_id,
+                idempotency_key=spec.idempotency_key,
+                rendered_digest=spec.rendered_digest,
+                admitted_digest=spec.admitted_digest,
+                manifest_id=spec.manifest_id,
+                policy_revision=spec.policy_revision,
+                rung=spec.rung,
+                state=State.PROPOSED,
+                input_reserved=spec.input_tokens,
+                output_reserved=spec.output_tokens,
+                remaining=spec.output_tokens,
+                queue_deadline=db_now + timedelta(seconds=spec.queue_deadline_seconds),
+                request_body=spec.request_body,
+                minimum_evidence_ids=list(spec.minimum_evidence_ids),
+                failure_reason=problem.detail,
+            )
+            reservation.response_body = build_body(reservation)
+            reservation.save(force_insert=True)
+            return Admitted(reservation, replayed=False)
+    except IntegrityError:
+        earlier = find_by_idempotency_key(
+            tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
+        )
+        if earlier is None:
+            raise
+        return Admitted(earlier, replayed=True)
+
+
+def admit_queued(*, reservation_id: uuid.UUID, build_body: Callable[[Reservation], dict[str, Any]],
+                 now: datetime) -> Reservation | None:
+    """Try to admit one queued reservation: RESERVED if capacity is there now, REJECTED past its deadline.
+
+    Returns the reservation when its state changed, None when it stays queued (or is not queued any more).
+    Safe to run concurrently: the row lock and the state guard decide, so a request is admitted at most once.
+    """
+    proposed = Reservation.objects.filter(pk=reservation_id, state=State.PROPOSED).select_related(
+        "tenant", "task_class", "model_pool").first()
+    if proposed is None:
+        return None
+    accounts = applicable_accounts(tenant=proposed.tenant, task_class=proposed.task_class,
+                                   pool=proposed.model_pool, now=now)
+    with transaction.atomic(durable=True):
+        reservation = locks.lock_reservation(reservation_id)
+        if reservation is None or reservation.state != State.PROPOSED:
+            return None
+        db_now = locks.db_now()
+        assert isinstance(db_now, datetime)
+        if reservation.queue_deadline is not None and reservation.queue_deadline <= db_now:
+            reservation.reject_queued("queue deadline passed")
+            reservation.response_body = build_body(reservation)
+            reservation.save()
+            return reservation
+        sid = transaction.savepoint()
+        for account in accounts:
+            if not _reserve_on(account, input_tokens=reservation.input_reserved,
+                               output_tokens=reservation.output_reserved, concurrency=1):
+                transaction.savepoint_rollback(sid)
+                return None
+        transaction.savepoint_commit(sid)
+        reservation.admit_from_queue()
+        reservation.concurrency_held = True
+        reservation.failure_reason = ""
+        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
+        reservation.response_body = build_body(reservation)
+        reservation.save()
+        Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
+        _entries(reservation, accounts, EntryKind.HOLD, input_reserved=reservation.input_reserved,
+                 output_reserved=reservation.output_reserved, in_flight=1)
+        return reservation
+
+
+def queue_position(reservation: Reservation) -> int:
+    return Reservation.objects.filter(
+        state=State.PROPOSED, tenant=reservation.tenant, task_class=reservation.task_class,
+        created_at__lte=reservation.created_at,
+    ).count()
+
+
+# --- lifecycle ----------------------------------------------------------------------------------------------
+
+
+def _locked(reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
+    reservation = locks.lock_reservation(reservation_id, tenant_ids)
+    if reservation is None:
+        raise NotFound("no such reservation")
+    if fence != reservation.fence:
+        raise StaleFence(
+            f"fence {fence} is {'older than' if fence < reservation.fence else 'not'} the current fence",
+            currentFence=reservation.fence,
+        )
+    return reservation
+
+
+def _refuse(reservation: Reservation, action: str) -> InvalidTransition:
+    return InvalidTransition(f"cannot {action} a reservation in state {reservation.state}",
+                             state=reservation.state, outcome=reservation.outcome or None)
+
+
+def dispatch(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, provider_request_id: str,
+             admitted_digest: str, now: datetime) -> Reservation:
+    """Record the dispatch (before the provider call): input is posted as consumed.
+
+    Repeating the same dispatch is a no-op. Raises PayloadChanged for another digest, StaleFence,
+    InvalidTransition, NotFound.
+    """
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            if admitted_digest != reservation.admitted_digest:
+                raise PayloadChanged("admittedDigest differs from the admitted payload's digest",
+                                     expected=reservation.admitted_digest)
+            if reservation.state != State.RESERVED:
+                if reservation.provider_request_id == provider_request_id and reservation.dispatched_at:
+                    return reservation
+                raise _refuse(reservation, "dispatch")
+            reservation.dispatch(provider_request_id)
+            reservation.dispatched_at = now
+            reservation.save()
+            n = reservation.input_reserved
+            _apply(reservation, _held_account_ids(reservation), EntryKind.POST, input_reserved=-n,
+                   input_consumed=n, reason="dispatched", now=now)
+            return reservation
+
+    return with_retries(attempt)
+
+
+@dataclass(frozen=True)
+class Usage:
+    usage_event_id: str
+    output_tokens: int
+    input_tokens: int | None
+    final: bool
+
+
+def _capture(reservation: Reservation, account_ids: list[int], *, usage_event_id: str, output_tokens: int,
+             input_tokens: int | None, final: bool, now: datetime) -> UsageEvent:
+    take = min(output_tokens, reservation.remaining)
+    over = output_tokens - take
+    event = UsageEvent.objects.create(
+        reservation=reservation, usage_event_id=usage_event_id, input_tokens=input_tokens,
+        output_tokens=output_tokens, final=final, captured=take, overrun=over,
+    )
+    reservation.captured += take
+    reservation.remaining -= take
+    reservation.overrun += over
+    _apply(reservation, account_ids, EntryKind.POST, output_reserved=-take, output_consumed=output_tokens,
+           reason=f"usage {usage_event_id}" + (f" (overrun {over})" if over else ""), now=now)
+    if input_tokens is not None and input_tokens != reservation.input_consumed:
+        # The provider's own count of the input is authoritative for billing: correct what dispatch posted.
+        delta = input_tokens - reservation.input_consumed
+        reservation.input_consumed = input_tokens
+        _apply(reservation, account_ids, EntryKind.CORRECTION, input_consumed=delta,
+               reason=f"provider counted {input_tokens} input tokens", now=now)
+    if input_tokens is not None:
+        reservation.input_reported = input_tokens
+    return event
+
+
+def _transition_settle(reservation: Reservation, transition: Callable[[], None], account_ids: list[int], *,
+                       reason: str, now: datetime, release_input: int = 0, refund_input: int = 0) -> None:
+    """Apply a settling transition (it moves ``remaining`` to ``released``), then release that output hold,
+    the concurrency slot and any unposted input hold on every account; refund input when proven unprocessed."""
+    remaining = reservation.remaining
+    transition()
+    slot = -1 if reservation.concurrency_held else 0
+    reservation.concurrency_held = False
+    reservation.settled_at = now
+    _apply(reservation, account_ids, EntryKind.RELEASE, output_reserved=-remaining, in_flight=slot,
+           input_reserved=-release_input, reason=reason, now=now)
+    if refund_input:
+        _apply(reservation, account_ids, EntryKind.CORRECTION, input_consumed=-refund_input,
+               reason="provider never processed the request: input refunded", now=now)
+
+
+def record_usage(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, usage: Usage,
+                 now: datetime) -> tuple[Reservation, bool]:
+    """Capture one usage delta, idempotent by usageEventId; a final event settles (COMPLETED).
+
+    Returns (reservation, applied); applied is False for an exact replay. Raises UsageEventConflict,
+    StaleFence, InvalidTransition, NotFound.
+    """
+    def attempt() -> tuple[Reservation, bool]:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            earlier = UsageEvent.objects.filter(reservation=reservation, usage_event_id=usage.usage_event_id).first()
+            if earlier is not None:
+                if (earlier.output_tokens, earlier.input_tokens, earlier.final) != (
+                        usage.output_tokens, usage.input_tokens, usage.final):
+                    raise UsageEventConflict(
+                        f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                        recorded={"outputTokens": earlier.output_tokens, "inputTokens": earlier.input_tokens,
+                                  "final": earlier.final},
+                    )
+                return reservation, False
+            if reservation.state not in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}:
+                raise _refuse(reservation, "record usage on")
+            account_ids = _held_account_ids(reservation)
+            _capture(reservation, account_ids, usage_event_id=usage.usage_event_id,
+                     output_tokens=usage.output_tokens, input_tokens=usage.input_tokens, final=usage.final, now=now)
+            if usage.final:
+                _transition_settle(reservation, reservation.complete, account_ids, reason="final usage", now=now)
+            elif reservation.state == State.DISPATCHED:
+                reservation.start_running()
+            reservation.save()
+            return reservation, True
+
+    return with_retries(attempt)
+
+
+def top_up(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, top_up_id: str,
+           output_tokens: int, now: datetime) -> tuple[Reservation, bool]:
+    """Extend the output hold; idempotent by topUpId. Raises QuotaExceeded when an account is short."""
+    def attempt() -> tuple[Reservation, bool]:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            earlier = TopUp.objects.filter(reservation=reservation, top_up_id=top_up_id).first()
+            if earlier is not None:
+                if earlier.output_tokens != output_tokens:
+                    raise Conflict(f"topUpId {top_up_id!r} was recorded with another amount",
+                                   code="TOP_UP_CONFLICT", recorded=earlier.output_tokens)
+                return reservation, False
+            if reservation.state not in {State.RESERVED, State.DISPATCHED, State.RUNNING}:
+                raise _refuse(reservation, "top up")
+            accounts = list(CapacityAccount.objects.filter(pk__in=_held_account_ids(reservation)).order_by("pk"))
+            for account in accounts:
+                if not _reserve_on(account, input_tokens=0, output_tokens=output_tokens, concurrency=0):
+                    raise _ShortageSignal(account)
+            _entries(reservation, accounts, EntryKind.TOP_UP, output_reserved=output_tokens)
+            TopUp.objects.create(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens)
+            reservation.top_ups += output_tokens
+            reservation.remaining += output_tokens
+            reservation.save()
+            return reservation, True
+
+    try:
+        return with_retries(attempt)
+    except _ShortageSignal as signal:
+        raise _shortage(signal.account, input_tokens=0, output_tokens=output_tokens, concurrency=0) from None
+
+
+def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, now: datetime) -> Reservation:
+    """Before dispatch: release everything. After: settle what was consumed, keep the rest held."""
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            account_ids = _held_account_ids(reservation)
+            if reservation.state == State.RESERVED:
+                _transition_settle(reservation, reservation.release_undispatched, account_ids,
+                                   reason="cancelled before dispatch", now=now,
+                                   release_input=reservation.input_reserved)
+                reservation.failure_reason = "cancelled"
+            elif reservation.state in {State.DISPATCHED, State.RUNNING}:
+                reservation.settle_partially("cancelled after dispatch")
+            elif reservation.state == State.PROPOSED:
+                reservation.reject_queued("cancelled while queued")
+            elif reservation.failure_reason.startswith("cancelled"):
+                return reservation
+            else:
+                raise _refuse(reservation, "cancel")
+            reservation.save()
+            return reservation
+
+    return with_retries(attempt)
+
+
+def fail(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, reason: str, request_sent: str,
+         usage: Usage | None, now: datetime) -> Reservation:
+    """A provider call failed. Proof of non-processing releases in full; otherwise settle what was incurred.
+
+    ``request_sent`` is RequestSent.NO only with proof (connection refused before any byte was sent).
+    """
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            account_ids = _held_account_ids(reservation)
+            if reservation.state == State.RESERVED:
+                _transition_settle(reservation, reservation.release_undispatched, account_ids,
+                                   reason=f"failed before dispatch: {reason}", now=now,
+                                   release_input=reservation.input_reserved)
+            elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
+                _transition_settle(reservation, reservation.release_unprocessed, account_ids,
+                                   reason=f"never processed: {reason}", now=now,
+                                   refund_input=reservation.input_consumed)
+            elif reservation.state in {State.DISPATCHED, State.RUNNING}:
+                if usage is not None and not UsageEvent.objects.filter(
+                        reservation=reservation, usage_event_id=usage.usage_event_id).exists():
+                    _capture(reservation, account_ids, usage_event_id=usage.usage_event_id,
+                             output_tokens=usage.output_tokens, input_tokens=usage.input_tokens, final=False,
+                             now=now)
+                reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
+            elif reservation.state in {State.PARTIALLY_SETTLED, State.SETTLED} and reservation.failure_reason.startswith(
+                    ("failed", "never processed")):
+                return reservation
+            else:
+                raise _refuse(reservation, "fail")
+            reservation.failure_reason = reservation.failure_reason or reason
+            reservation.save()
+            return reservation
+
+    return with_retries(attempt)
+
+
+def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
+    """Push the lease expiry out by LEASE_SECONDS from the database clock."""
+    with transaction.atomic(durable=True):
+        reservation = _locked(reservation_id, tenant_ids, fence)
+        if reservation.state in {State.SETTLED, State.REJECTED, State.RECONCILING, State.PROPOSED}:
+            raise _refuse(reservation, "renew the lease of")
+        db_now = locks.db_now()
+        assert isinstance(db_now, datetime)
+        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
+        reservation.save(update_fields=["lease_expires_at", "updated_at"])
+        return reservation
+
+
+def record_outcome(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], task_success: bool,
+                   cited_evidence_ids: list[str]) -> Reservation:
+    """Store the caller's quality report for the metrics (success, evidence cited)."""
+    with transaction.atomic(durable=True):
+        reservation = locks.lock_reservation(reservation_id, tenant_ids)
+        if reservation is None:
+            raise NotFound("no such reservation")
+        if reservation.state in {State.PROPOSED, State.REJECTED}:
+            raise _refuse(reservation, "report an outcome for")
+        reservation.task_success = task_success
+        reservation.cited_evidence_ids = cited_evidence_ids
+        reservation.save(update_fields=["task_success", "cited_evidence_ids", "updated_at"])
+        return reservation
+
+
+__all__ = [
+    "AdmissionSpec",
+    "Admitted",
+    "IdempotencyConflict",
+    "Outcome",
+    "PayloadChanged",
+    "QuotaExceeded",
+    "RequestSent",
+    "StaleFence",
+    "Usage",
+    "UsageEventConflict",
+]

@@ -1,0 +1,19 @@
+"""Shared fixtures: the real PostgreSQL (pytest-django) and the real Redis at REDIS_URL."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def redis_db():
+    """The real Redis, flushed of this suite's count keys before and after."""
+    from budgeting.counting import redis_client
+
+    client = redis_client()
+    client.ping()
+    for key in client.scan_iter(match="tc:*"):
+        client.delete(key)
+    yield client
+    for key in client.scan_iter(match="tc:*"):
+        client.delete(key)
