@@ -11,3 +11,11 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
 app = Celery("budgeting")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+app.conf.beat_schedule = {
+    "reclaim-expired-leases": {"task": "reconciliation.reclaim_expired_leases", "schedule": 15.0},
+    "lookup-unknown-outcomes": {"task": "reconciliation.lookup_unknown_outcomes", "schedule": 30.0},
+    "admit-queued": {"task": "reconciliation.admit_queued", "schedule": 2.0},
+    "audit-ledger": {"task": "reconciliation.audit_ledger", "schedule": 300.0},
+    "roll-periods": {"task": "reconciliation.roll_periods", "schedule": 600.0},
+}

@@ -32,15 +32,26 @@ def lock_account(account_id: int) -> CapacityAccount:
     return CapacityAccount.objects.select_for_update().get(pk=account_id)
 
 
-def try_lock_reservations(ids: list[uuid.UUID]) -> list[Reservation]:
-    """Lock the given reservations that no one else holds, skipping locked rows (reclaimers share work)."""
-    return list(
-        Reservation.objects.select_for_update(skip_locked=True, of=("self",)).filter(pk__in=ids).order_by("pk")
-    )
-
-
 def db_now() -> object:
     """The database clock: leases and fences never trust an application server's clock."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT clock_timestamp()")
         return cursor.fetchone()[0]
+
+
+def lock_expired_leases(states: list[str], db_now: object, limit: int) -> list[Reservation]:
+    """Lock reservations whose lease expired, skipping rows another reclaimer (or a gateway write) holds."""
+    return list(
+        Reservation.objects.select_for_update(skip_locked=True, of=("self",))
+        .filter(state__in=states, lease_expires_at__lt=db_now)
+        .order_by("lease_expires_at")[:limit]
+    )
+
+
+def lock_reconciling(expired_before: object, limit: int) -> list[Reservation]:
+    """Lock RECONCILING reservations whose claim lease expired, oldest first, skipping locked rows."""
+    return list(
+        Reservation.objects.select_for_update(skip_locked=True, of=("self",))
+        .filter(state="RECONCILING", lease_expires_at__lt=expired_before)
+        .order_by("lease_expires_at")[:limit]
+    )

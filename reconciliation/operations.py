@@ -1,0 +1,58 @@
+"""What the beat tasks and management commands run: one call each, returning figures to log."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from budgeting.admission import queued_body
+from ledger import selectors
+from ledger import services as ledger
+from ledger.models import CapacityAccount, Reservation, State
+from ledger.periods import period_start_for
+from reconciliation import services
+
+logger = logging.getLogger(__name__)
+
+
+def reclaim(*, now: datetime) -> dict[str, int]:
+    report = services.reclaim_expired_leases(now=now)
+    return {"released": report.released, "frozen": report.frozen, "settled": report.settled,
+            "refunded": report.refunded, "stillUnknown": report.still_unknown}
+
+
+def lookup(*, now: datetime) -> dict[str, int]:
+    report = services.lookup_unknown_outcomes(now=now)
+    return {"settled": report.settled, "refunded": report.refunded, "stillUnknown": report.still_unknown}
+
+
+def admit_queue(*, now: datetime, limit: int = 200) -> dict[str, int]:
+    """Admit queued requests in arrival order while capacity allows; reject those past their deadline."""
+    admitted = rejected = 0
+    ids = list(Reservation.objects.filter(state=State.PROPOSED).order_by("created_at").values_list("pk", flat=True)
+               [:limit])
+    for reservation_id in ids:
+        result = ledger.admit_queued(reservation_id=reservation_id, build_body=queued_body, now=now)
+        if result is None:
+            continue
+        if result.state == State.RESERVED:
+            admitted += 1
+        else:
+            rejected += 1
+    return {"admitted": admitted, "rejected": rejected, "stillQueued": len(ids) - admitted - rejected}
+
+
+def audit(*, now: datetime) -> dict[str, int]:
+    report = selectors.audit(now=now)
+    for line in report.violations + report.leaks:
+        logger.error("ledger audit: %s", line)
+    return {"accounts": report.accounts_checked, "reservations": report.reservations_checked,
+            "violations": len(report.violations), "leaks": len(report.leaks)}
+
+
+def roll_periods(*, now: datetime) -> dict[str, int]:
+    rolled = 0
+    for account in CapacityAccount.objects.all():
+        if account.period_start < period_start_for(account.period, now):
+            rolled += int(ledger.roll_over(account_id=account.pk, now=now))
+    return {"rolled": rolled}
