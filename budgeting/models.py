@@ -79,6 +79,9 @@ class Tokenizer(models.Model):
     file_name = models.CharField(max_length=200, help_text="File name under TOKENIZER_DIR.")
     digest = models.CharField(max_length=71, unique=True, help_text="sha256: + hex digest of the file's bytes.")
     nfkc = models.BooleanField(default=False, help_text="The tokenizer applies NFKC before BPE.")
+    upper_bound_rule = models.CharField(
+        max_length=20, blank=True, help_text="Proven upper bound used when counting is unavailable (empty: none)."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

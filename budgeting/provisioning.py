@@ -34,6 +34,7 @@ from budgeting.models import (
     hash_token,
 )
 from budgeting.tokenizer_assets import sha256_file
+from ladder.counting import upper_bound_rule
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
 
@@ -190,7 +191,12 @@ def apply_config(doc: Any, *, tokenizer_dir: Path | None = None,
             if not file_path.is_file():
                 raise ProvisioningError(f"{path}.file", f"{file_path} does not exist (run ./platform to fetch)")
             name = r.get("name", str, required=True)
+            try:
+                rule = upper_bound_rule(json.loads(file_path.read_bytes()))
+            except ValueError:
+                raise ProvisioningError(f"{path}.file", f"{file_path} is not a tokenizer JSON file") from None
             tokenizers[name] = _sync(report, "tokenizers", Tokenizer, {"name": name}, {
+                "upper_bound_rule": rule or "",
                 "family": r.get("family", str, required=True),
                 "source": r.get("source", str, ""),
                 "file_name": file_name,

@@ -1,0 +1,313 @@
+"""Admission orchestration: resolve the catalog, run the pure ladder, record the manifest, reserve.
+
+Slow work (rendering, counting, the ladder) happens before any transaction; the ledger's transaction holds its
+locks only for the conditional updates and inserts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from django.db.models import QuerySet
+
+from budgeting import catalog
+from budgeting.counting import RedisCountCache
+from budgeting.models import Manifest, ModelRevision, RolloutMode, Tenant
+from budgeting.problems import Conflict, InvalidInput, NotFound, Problem, Unavailable
+from ladder.components import ComponentError, Components, Limits, parse_components
+from ladder.counting import CountingUnavailable, rendered_digest
+from ladder.decide import ESTIMATOR_REVISION, Decision, decide
+from ladder.rungs import minimum_evidence_ids
+from ladder.templates import build_payload
+from ledger import services as ledger
+from ledger.models import Reservation, State
+
+LIMITS = Limits()
+
+
+class ContextBudgetExceeded(Problem):
+    status = 422
+    code = "CONTEXT_BUDGET_EXCEEDED"
+    title = "The request does not fit the context budget, even after the ladder"
+
+
+@dataclass
+class Result:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything resolved for one admission request before the ladder runs."""
+
+    tenant: Tenant
+    resolved: catalog.Resolved
+    components: Components
+    envelope: dict[str, Any]
+
+
+def _resolve(tenants: QuerySet[Tenant], envelope: dict[str, Any]) -> Context:
+    tenant = tenants.filter(slug=envelope["tenantId"]).first()
+    if tenant is None:
+        raise NotFound(f"unknown tenant {envelope['tenantId']!r}", code="TENANT_NOT_FOUND")
+    resolved = catalog.resolve(
+        task_class=envelope["taskClass"], pool=envelope["modelPool"], model_revision=envelope["modelRevision"]
+    )
+    client_digest = envelope.get("tokenizerDigest")
+    server_digest = resolved.model.tokenizer.digest
+    if client_digest is not None and client_digest != server_digest:
+        raise Conflict(
+            "tokenizerDigest is not the server's tokenizer for this model revision; refresh and recount",
+            code="TOKENIZER_MISMATCH",
+            serverTokenizerDigest=server_digest,
+            clientTokenizerDigest=client_digest,
+        )
+    requested_policy = envelope.get("policyRevision")
+    if requested_policy is not None and requested_policy != resolved.policy_revision:
+        raise Conflict(
+            f"policyRevision {requested_policy} is not the active revision {resolved.policy_revision}",
+            code="POLICY_REVISION_MISMATCH",
+            activePolicyRevision=resolved.policy_revision,
+        )
+    try:
+        components = parse_components(envelope["components"], limits=LIMITS)
+    except ComponentError as exc:
+        raise InvalidInput(exc.message, code="INVALID_COMPONENTS", path=exc.path, reason=exc.code) from None
+    return Context(tenant=tenant, resolved=resolved, components=components, envelope=envelope)
+
+
+def _run_ladder(ctx: Context) -> Decision:
+    r = ctx.resolved
+    try:
+        return decide(
+            ctx.components,
+            request_id=ctx.envelope["requestId"],
+            model=r.model_spec,
+            requested_max_output=ctx.envelope["maxOutput"],
+            task_policy=r.task_policy,
+            global_cap=r.global_cap,
+            fallback_models=r.fallback_specs,
+            counter_for=catalog.counter_for_spec,
+            cache=RedisCountCache(),
+        )
+    except CountingUnavailable as exc:
+        raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", headers={"Retry-After": "5"}) from None
+
+
+def in_ramp(request_id: str, percent: int) -> bool:
+    """Stable per-request rollout: the same requestId always lands on the same side of the ramp."""
+    bucket = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big") % 100
+    return bucket < percent
+
+
+def _mode(ctx: Context) -> str:
+    if ctx.tenant.rollout_mode == RolloutMode.SHADOW:
+        return RolloutMode.SHADOW
+    ramp = min(ctx.resolved.task_class.ramp_percent, ctx.resolved.task_policy.ramp_percent)
+    return RolloutMode.ENFORCE if in_ramp(ctx.envelope["requestId"], ramp) else RolloutMode.SHADOW
+
+
+def _model_used(ctx: Context, decision: Decision) -> ModelRevision:
+    if decision.model.id == ctx.resolved.model.name:
+        return ctx.resolved.model
+    return ModelRevision.objects.select_related("tokenizer").get(name=decision.model.id)
+
+
+def full_digest(components: Components) -> str:
+    """Digest of the request as sent (the FULL payload before any rung): the idempotency fingerprint."""
+    return rendered_digest(build_payload(components))
+
+
+def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
+    body = decision.to_response()
+    estimate = ctx.envelope.get("clientEstimate")
+    return {
+        "requestId": ctx.envelope["requestId"],
+        "decision": decision_label(decision),
+        **body,
+        "renderedDigest": full_digest(ctx.components),
+        "admittedDigest": decision.rendered_digest,
+        "tokenizerDigest": decision.model.tokenizer_digest,
+        "policyRevision": ctx.resolved.policy_revision,
+        "budget": {"input": decision.budget, "maxOutput": decision.max_output,
+                   "contextWindow": decision.model.context_window},
+        "steps": [step.to_json() for step in decision.steps],
+        "clientEstimate": None if estimate is None else {
+            **estimate, "deviation": None if decision.count is None else estimate["inputTokens"] - decision.count.total
+        },
+    }
+
+
+def decision_label(decision: Decision) -> str:
+    if not decision.admitted:
+        return decision.code or "REJECTED"
+    return "ADMITTED" if decision.rung == "FULL" else "DEGRADED"
+
+
+def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> Manifest:
+    r = ctx.resolved
+    return Manifest.objects.create(
+        request_id=ctx.envelope["requestId"],
+        tenant=ctx.tenant,
+        task_class=r.task_class,
+        model_pool=r.pool,
+        model_revision=_model_used(ctx, decision),
+        tokenizer_digest=decision.model.tokenizer_digest,
+        policy_revision=r.policy_revision,
+        decision=decision_label(decision),
+        rung=decision.rung,
+        mode=mode,
+        rendered_digest=decision.rendered_digest,
+        input_tokens=0 if decision.count is None else decision.count.total,
+        count_method=decision.count_method or "",
+        request=raw,
+        record={
+            "lockedRevisions": {
+                "model": decision.model.id,
+                "requestedModel": r.model.name,
+                "tokenizerDigest": decision.model.tokenizer_digest,
+                "promptBundleDigest": ctx.envelope.get("promptBundleDigest"),
+                "policyRevision": r.policy_revision,
+                "estimator": ESTIMATOR_REVISION,
+                "templateRevision": decision.template_revision,
+            },
+            **decision.to_manifest(),
+        },
+    )
+
+
+def count(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, now: datetime) -> Result:
+    """The dry run: the same decision as an admission, without reserving or recording anything."""
+    ctx = _resolve(tenants, envelope)
+    decision = _run_ladder(ctx)
+    return Result(200, {**_decision_body(ctx, decision), "payload": decision.payload})
+
+
+def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> Problem:
+    if decision.code == "COUNTING_UNAVAILABLE":
+        return Unavailable("counting is unavailable and the policy rejects", code="COUNTING_UNAVAILABLE",
+                           headers={"Retry-After": "5"}, manifestId=manifest.pk)
+    return ContextBudgetExceeded(
+        decision.detail or "hard buckets plus the minimum evidence set do not fit",
+        reason=decision.code,
+        tokens=decision.to_response()["tokens"],
+        budget={"input": decision.budget, "maxOutput": decision.max_output},
+        minimumTokensNeeded=decision.minimum_tokens_needed,
+        rungsTried=list(decision.rungs_tried),
+        steps=[step.to_json() for step in decision.steps],
+        recommendations=list(decision.recommendations),
+        manifestId=manifest.pk,
+    )
+
+
+def reservation_body(reservation: Reservation, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **extra,
+        "reservationId": str(reservation.pk),
+        "state": reservation.state,
+        "reserved": {
+            "input": reservation.input_reserved,
+            "output": reservation.output_reserved,
+            "concurrency": 1,
+        },
+        "lease": {
+            "fence": reservation.fence,
+            "expiresAt": reservation.lease_expires_at.isoformat() if reservation.lease_expires_at else None,
+        },
+        "manifestId": reservation.manifest_id,
+    }
+
+
+def queued_body(reservation: Reservation) -> dict[str, Any]:
+    """The body a queued reservation answers with once the queue admits or rejects it."""
+    return reservation_body(reservation, dict((reservation.response_body or {}).get("decisionBody", {})))
+
+
+def admit(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str,
+          now: datetime) -> Result:
+    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises Problem subclasses."""
+    if not idempotency_key or len(idempotency_key) > 200:
+        raise InvalidInput("the Idempotency-Key header is required (at most 200 characters)",
+                           code="IDEMPOTENCY_KEY_REQUIRED")
+    ctx = _resolve(tenants, envelope)
+    decision = _run_ladder(ctx)
+    request_digest = full_digest(ctx.components)
+    earlier = ledger.find_by_idempotency_key(tenant=ctx.tenant, idempotency_key=idempotency_key,
+                                             rendered_digest=request_digest)
+    if earlier is not None:
+        return _replay(earlier)
+    mode = _mode(ctx)
+    manifest = _record_manifest(ctx, decision, mode, raw)
+    if not decision.fits:
+        raise _rejection(ctx, decision, manifest)
+    body = _decision_body(ctx, decision)
+    if mode == RolloutMode.SHADOW:
+        return Result(200, {**body, "mode": RolloutMode.SHADOW, "manifestId": manifest.pk,
+                            "payload": build_payload(ctx.components),
+                            "note": "shadow: decision recorded, request unchanged, no capacity held"})
+    body["payload"] = decision.payload
+    body["mode"] = RolloutMode.ENFORCE
+    r = ctx.resolved
+    spec = ledger.AdmissionSpec(
+        tenant=ctx.tenant,
+        task_class=r.task_class,
+        pool=r.pool,
+        model_revision=_model_used(ctx, decision),
+        request_id=ctx.envelope["requestId"],
+        idempotency_key=idempotency_key,
+        rendered_digest=request_digest,
+        admitted_digest=decision.rendered_digest,
+        input_tokens=decision.count.total if decision.count else 0,
+        output_tokens=decision.max_output,
+        policy_revision=r.policy_revision,
+        rung=decision.rung,
+        manifest_id=manifest.pk,
+        minimum_evidence_ids=tuple(sorted(minimum_evidence_ids(ctx.components.evidence,
+                                                               r.task_policy.minimum_evidence))),
+        queue=r.queue_allowed,
+        queue_deadline_seconds=r.queue_deadline_seconds,
+        request_body={"decisionBody": body},
+    )
+    admitted = ledger.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
+    if admitted.replayed:
+        return _replay(admitted.reservation)
+    return _answer(admitted.reservation)
+
+
+def _first_body(reservation: Reservation, body: dict[str, Any]) -> dict[str, Any]:
+    if reservation.state == State.PROPOSED:
+        return {"decisionBody": body}
+    return reservation_body(reservation, body)
+
+
+def _answer(reservation: Reservation) -> Result:
+    if reservation.state == State.PROPOSED:
+        body = {
+            "reservationId": str(reservation.pk),
+            "state": reservation.state,
+            "queuePosition": ledger.queue_position(reservation),
+            "queueDeadline": reservation.queue_deadline.isoformat() if reservation.queue_deadline else None,
+            "poll": f"/api/v1/reservations/{reservation.pk}",
+            "reason": reservation.failure_reason,
+            "manifestId": reservation.manifest_id,
+        }
+        return Result(202, body, {"Location": body["poll"], "Retry-After": "2"})
+    return Result(201, dict(reservation.response_body or {}), {"Location": f"/api/v1/reservations/{reservation.pk}"})
+
+
+def _replay(reservation: Reservation) -> Result:
+    result = _answer(reservation)
+    if result.status == 201:
+        result.status = 200
+    result.headers["Idempotent-Replayed"] = "true"
+    return result
+
+
+def tenant_ids(tenants: Iterable[Tenant]) -> list[int]:
+    return [t.pk for t in tenants]
