@@ -109,7 +109,7 @@ BAD_USAGE = [
     ("deep nesting", '{"fence": 1, "x": ' + "[" * 100 + "]" * 100 + "}", 400, "NESTING_TOO_DEEP"),
     ("array body", "[1, 2]", 400, "INVALID_INPUT"),
     ("not UTF-8", b'{"fence": 1, "usageEventId": "\xff"}', 400, "MALFORMED_JSON"),
-    ("empty", "", 400, "MALFORMED_JSON"),
+    ("empty body: every field missing", "", 400, "INVALID_INPUT"),
     ("fence zero", {"fence": 0, "usageEventId": "e", "outputTokens": 1, "final": False}, 400, "INVALID_INPUT"),
 ]
 
