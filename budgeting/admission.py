@@ -135,11 +135,17 @@ def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
         "admittedDigest": decision.rendered_digest,
         "tokenizerDigest": decision.model.tokenizer_digest,
         "policyRevision": ctx.resolved.policy_revision,
-        "budget": {"input": decision.budget, "maxOutput": decision.max_output,
-                   "contextWindow": decision.model.context_window},
+        "budget": {
+            "input": decision.budget,
+            "maxOutput": decision.max_output,
+            "contextWindow": decision.model.context_window,
+        },
         "steps": [step.to_json() for step in decision.steps],
-        "clientEstimate": None if estimate is None else {
-            **estimate, "deviation": None if decision.count is None else estimate["inputTokens"] - decision.count.total
+        "clientEstimate": None
+        if estimate is None
+        else {
+            **estimate,
+            "deviation": None if decision.count is None else estimate["inputTokens"] - decision.count.total,
         },
     }
 
@@ -191,8 +197,12 @@ def count(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, now:
 
 def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> Problem:
     if decision.code == "COUNTING_UNAVAILABLE":
-        return Unavailable("counting is unavailable and the policy rejects", code="COUNTING_UNAVAILABLE",
-                           headers={"Retry-After": "5"}, manifestId=manifest.pk)
+        return Unavailable(
+            "counting is unavailable and the policy rejects",
+            code="COUNTING_UNAVAILABLE",
+            headers={"Retry-After": "5"},
+            manifestId=manifest.pk,
+        )
     return ContextBudgetExceeded(
         decision.detail or "hard buckets plus the minimum evidence set do not fit",
         reason=decision.code,
@@ -229,17 +239,20 @@ def queued_body(reservation: Reservation) -> dict[str, Any]:
     return reservation_body(reservation, dict((reservation.response_body or {}).get("decisionBody", {})))
 
 
-def admit(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str,
-          now: datetime) -> Result:
+def admit(
+    *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
+) -> Result:
     """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises Problem subclasses."""
     if not idempotency_key or len(idempotency_key) > 200:
-        raise InvalidInput("the Idempotency-Key header is required (at most 200 characters)",
-                           code="IDEMPOTENCY_KEY_REQUIRED")
+        raise InvalidInput(
+            "the Idempotency-Key header is required (at most 200 characters)", code="IDEMPOTENCY_KEY_REQUIRED"
+        )
     ctx = _resolve(tenants, envelope)
     decision = _run_ladder(ctx)
     request_digest = full_digest(ctx.components)
-    earlier = ledger.find_by_idempotency_key(tenant=ctx.tenant, idempotency_key=idempotency_key,
-                                             rendered_digest=request_digest)
+    earlier = ledger.find_by_idempotency_key(
+        tenant=ctx.tenant, idempotency_key=idempotency_key, rendered_digest=request_digest
+    )
     if earlier is not None:
         return _replay(earlier)
     mode = _mode(ctx)
@@ -248,9 +261,16 @@ def admit(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idem
         raise _rejection(ctx, decision, manifest)
     body = _decision_body(ctx, decision)
     if mode == RolloutMode.SHADOW:
-        return Result(200, {**body, "mode": RolloutMode.SHADOW, "manifestId": manifest.pk,
-                            "payload": build_payload(ctx.components),
-                            "note": "shadow: decision recorded, request unchanged, no capacity held"})
+        return Result(
+            200,
+            {
+                **body,
+                "mode": RolloutMode.SHADOW,
+                "manifestId": manifest.pk,
+                "payload": build_payload(ctx.components),
+                "note": "shadow: decision recorded, request unchanged, no capacity held",
+            },
+        )
     body["payload"] = decision.payload
     body["mode"] = RolloutMode.ENFORCE
     r = ctx.resolved
@@ -268,8 +288,9 @@ def admit(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idem
         policy_revision=r.policy_revision,
         rung=decision.rung,
         manifest_id=manifest.pk,
-        minimum_evidence_ids=tuple(sorted(minimum_evidence_ids(ctx.components.evidence,
-                                                               r.task_policy.minimum_evidence))),
+        minimum_evidence_ids=tuple(
+            sorted(minimum_evidence_ids(ctx.components.evidence, r.task_policy.minimum_evidence))
+        ),
         queue=r.queue_allowed,
         queue_deadline_seconds=r.queue_deadline_seconds,
         request_body={"decisionBody": body},
@@ -298,7 +319,9 @@ def _answer(reservation: Reservation) -> Result:
             "manifestId": reservation.manifest_id,
         }
         return Result(202, body, {"Location": body["poll"], "Retry-After": "2"})
-    return Result(201, dict(reservation.response_body or {}), {"Location": f"/api/v1/reservations/{reservation.pk}"})
+    return Result(
+        201, dict(reservation.response_body or {}), {"Location": f"/api/v1/reservations/{reservation.pk}"}
+    )
 
 
 def _replay(reservation: Reservation) -> Result:

@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import cast
 
 from django.conf import settings
 
 from budgeting.models import ModelPool, ModelRevision, PolicyAlias, TaskClass, Tokenizer
 from budgeting.problems import NotFound, Problem
-from ladder.counting import CountingUnavailable, TokenizerCounter
-from ladder.rungs import ModelSpec
+from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule
+from ladder.counting import ImageFormula as ImageFormulaName
 from ladder.policy import Policy, TaskPolicy, parse_policy
+from ladder.rungs import ModelSpec
 
 ACTIVE_ALIAS = "production"
 
@@ -43,12 +45,12 @@ def model_spec(revision: ModelRevision) -> ModelSpec:
         context_window=revision.context_window,
         max_output=revision.max_output,
         template_family=revision.template_family,
-        image_formula=revision.image_formula,
+        image_formula=cast(ImageFormulaName, revision.image_formula),
         capabilities=frozenset(revision.capabilities),
         data_residency=revision.data_residency,
         safety_tier=revision.safety_tier,
         tokenizer_digest=revision.tokenizer.digest,
-        upper_bound=revision.tokenizer.upper_bound_rule or None,  # type: ignore[arg-type]
+        upper_bound=cast(UpperBoundRule, revision.tokenizer.upper_bound_rule) or None,
     )
 
 
@@ -60,7 +62,9 @@ def counter_for_spec(spec: ModelSpec) -> TokenizerCounter:
         file_name = _tokenizer_files(refresh=True).get(spec.tokenizer_digest)
     if file_name is None:
         raise CountingUnavailable(f"no tokenizer with digest {spec.tokenizer_digest} is provisioned")
-    return TokenizerCounter.from_file(Path(settings.TOKENIZER_DIR) / file_name, expected_digest=spec.tokenizer_digest)
+    return TokenizerCounter.from_file(
+        Path(settings.TOKENIZER_DIR) / file_name, expected_digest=spec.tokenizer_digest
+    )
 
 
 _FILES: dict[str, str] = {}
@@ -106,7 +110,10 @@ def default_task_policy(task_class: TaskClass) -> TaskPolicy:
                 "essentialTools": [],
                 "clarificationWorkflow": None,
                 "countingUnavailable": "REJECT",
-                "queue": {"allowed": task_class.queue_allowed, "deadlineSeconds": task_class.queue_deadline_seconds},
+                "queue": {
+                    "allowed": task_class.queue_allowed,
+                    "deadlineSeconds": task_class.queue_deadline_seconds,
+                },
                 "rampPercent": 100,
                 "fallbackModels": [],
             }
@@ -125,12 +132,17 @@ def resolve(*, task_class: str, pool: str, model_revision: str) -> Resolved:
         raise NotFound(f"unknown model pool {pool!r}", code="MODEL_POOL_NOT_FOUND")
     model = ModelRevision.objects.select_related("tokenizer").filter(name=model_revision, pools=mp).first()
     if model is None:
-        raise NotFound(f"model revision {model_revision!r} is not served by pool {pool!r}",
-                       code="MODEL_REVISION_NOT_FOUND")
+        raise NotFound(
+            f"model revision {model_revision!r} is not served by pool {pool!r}",
+            code="MODEL_REVISION_NOT_FOUND",
+        )
     policy, cap_floor = active_policy()
     task_policy = policy.task_classes.get(tc.slug) or default_task_policy(tc)
-    global_cap = policy.global_max_input_tokens if cap_floor is None else min(policy.global_max_input_tokens,
-                                                                               cap_floor)
+    global_cap = (
+        policy.global_max_input_tokens
+        if cap_floor is None
+        else min(policy.global_max_input_tokens, cap_floor)
+    )
     fallbacks = tuple(
         model_spec(m)
         for name in task_policy.fallback_models

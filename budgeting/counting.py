@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import cast
 
 import redis
 from django.conf import settings
@@ -15,7 +16,7 @@ from ladder.counting import TokenizerCounter
 
 @lru_cache(maxsize=1)
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+    return redis.Redis.from_url(str(settings.REDIS_URL), socket_timeout=2, socket_connect_timeout=2)
 
 
 class RedisCountCache:
@@ -29,7 +30,7 @@ class RedisCountCache:
     def get_many(self, keys: Sequence[str]) -> list[int | None]:
         if not keys:
             return []
-        values = self.client.mget(list(keys))
+        values = cast(list[bytes | None], self.client.mget(list(keys)))
         return [None if v is None else int(v) for v in values]
 
     def set_many(self, mapping: Mapping[str, int]) -> None:
@@ -47,10 +48,10 @@ class RedisCountCache:
         for key in self.client.scan_iter(match=prefix + "*", count=1000):
             batch.append(key)
             if len(batch) >= 1000:
-                deleted += int(self.client.delete(*batch))
+                deleted += cast(int, self.client.delete(*batch))
                 batch.clear()
         if batch:
-            deleted += int(self.client.delete(*batch))
+            deleted += cast(int, self.client.delete(*batch))
         return deleted
 
 

@@ -62,7 +62,9 @@ class ModelPool(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     region = models.CharField(max_length=32)
     provider_base_url = models.CharField(
-        max_length=300, blank=True, help_text="Base URL of the provider adapter used for lookups (simulator or real)."
+        max_length=300,
+        blank=True,
+        help_text="Base URL of the provider adapter used for lookups (simulator or real).",
     )
 
     class Meta:
@@ -77,17 +79,23 @@ class Tokenizer(models.Model):
     family = models.CharField(max_length=40, help_text="e.g. byte-level-bpe, byte-level-bpe-nfkc")
     source = models.CharField(max_length=300, help_text="Where the file came from (package and member).")
     file_name = models.CharField(max_length=200, help_text="File name under TOKENIZER_DIR.")
-    digest = models.CharField(max_length=71, unique=True, help_text="sha256: + hex digest of the file's bytes.")
+    digest = models.CharField(
+        max_length=71, unique=True, help_text="sha256: + hex digest of the file's bytes."
+    )
     nfkc = models.BooleanField(default=False, help_text="The tokenizer applies NFKC before BPE.")
     upper_bound_rule = models.CharField(
-        max_length=20, blank=True, help_text="Proven upper bound used when counting is unavailable (empty: none)."
+        max_length=20,
+        blank=True,
+        help_text="Proven upper bound used when counting is unavailable (empty: none).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["name"]
         constraints = [
-            models.CheckConstraint(condition=Q(digest__regex=r"^sha256:[0-9a-f]{64}$"), name="tokenizer_digest_format")
+            models.CheckConstraint(
+                condition=Q(digest__regex=r"^sha256:[0-9a-f]{64}$"), name="tokenizer_digest_format"
+            )
         ]
 
     def __str__(self) -> str:
@@ -97,7 +105,6 @@ class Tokenizer(models.Model):
 class ImageFormula(models.TextChoices):
     TILES_512 = "tiles512", "85 + 170 per 512px tile"
     PIXELS_750 = "pixels750", "width × height / 750"
-    NONE = "none", "Images not supported"
 
 
 class ModelRevision(models.Model):
@@ -107,7 +114,9 @@ class ModelRevision(models.Model):
     context_window = models.PositiveIntegerField()
     max_output = models.PositiveIntegerField()
     template_family = models.CharField(max_length=40)
-    image_formula = models.CharField(max_length=16, choices=ImageFormula.choices, default=ImageFormula.NONE)
+    image_formula = models.CharField(
+        max_length=16, choices=ImageFormula.choices, default=ImageFormula.TILES_512
+    )
     capabilities = models.JSONField(default=list, help_text='Subset of ["tools", "json_schema", "vision"].')
     data_residency = models.CharField(max_length=32)
     safety_tier = models.PositiveSmallIntegerField(default=1)
@@ -118,7 +127,8 @@ class ModelRevision(models.Model):
             models.CheckConstraint(condition=Q(context_window__gt=0), name="modelrevision_window_positive"),
             models.CheckConstraint(condition=Q(max_output__gt=0), name="modelrevision_max_output_positive"),
             models.CheckConstraint(
-                condition=Q(max_output__lt=models.F("context_window")), name="modelrevision_output_below_window"
+                condition=Q(max_output__lt=models.F("context_window")),
+                name="modelrevision_output_below_window",
             ),
         ]
 
@@ -154,7 +164,9 @@ def new_token_value() -> str:
 class ApiToken(models.Model):
     client = models.ForeignKey(ServiceClient, on_delete=models.CASCADE, related_name="tokens")
     token_hash = models.CharField(max_length=64, unique=True)
-    prefix = models.CharField(max_length=12, help_text="First characters, to recognise a token without storing it.")
+    prefix = models.CharField(
+        max_length=12, help_text="First characters, to recognise a token without storing it."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 
@@ -188,7 +200,9 @@ class PolicyVersion(models.Model):
 class PolicyAlias(models.Model):
     name = models.SlugField(max_length=40, unique=True)
     version = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="+")
-    previous = models.ForeignKey(PolicyVersion, on_delete=models.PROTECT, related_name="+", null=True, blank=True)
+    previous = models.ForeignKey(
+        PolicyVersion, on_delete=models.PROTECT, related_name="+", null=True, blank=True
+    )
     global_cap_floor = models.PositiveIntegerField(
         null=True, blank=True, help_text="Lower global per-request cap kept after a rollback."
     )
@@ -217,7 +231,9 @@ class Manifest(models.Model):
     rendered_digest = models.CharField(max_length=71)
     input_tokens = models.PositiveIntegerField()
     count_method = models.CharField(max_length=16)
-    request = models.JSONField(help_text="The admission request as received (components included) for replay.")
+    request = models.JSONField(
+        help_text="The admission request as received (components included) for replay."
+    )
     record = models.JSONField(help_text="Locked revisions, digests, per-component counts, ladder steps.")
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -129,10 +129,16 @@ def loads_strict(raw: bytes) -> Any:
 class StrictJSONParser(BaseParser):
     media_type = "application/json"
 
-    def parse(self, stream: IO[bytes], media_type: str | None = None,
-              parser_context: Mapping[str, Any] | None = None) -> Any:
+    def parse(
+        self,
+        stream: IO[bytes],
+        media_type: str | None = None,
+        parser_context: Mapping[str, Any] | None = None,
+    ) -> Any:
         request = (parser_context or {}).get("request")
         declared = request.META.get("CONTENT_LENGTH") if request is not None else None
         if declared and declared.isdigit() and int(declared) > settings.MAX_REQUEST_BYTES:
-            raise BadJSON(f"body exceeds {settings.MAX_REQUEST_BYTES} bytes", status=413, code="BODY_TOO_LARGE")
+            raise BadJSON(
+                f"body exceeds {settings.MAX_REQUEST_BYTES} bytes", status=413, code="BODY_TOO_LARGE"
+            )
         return loads_strict(stream.read(settings.MAX_REQUEST_BYTES + 1))

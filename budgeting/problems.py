@@ -22,8 +22,15 @@ class Problem(Exception):
     code = "BAD_REQUEST"
     title = "Bad request"
 
-    def __init__(self, detail: str = "", *, status: int | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+    def __init__(
+        self,
+        detail: str = "",
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
         super().__init__(detail or self.title)
         self.detail = detail or self.title
         if status is not None:
@@ -100,15 +107,15 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
             ((c, t) for cls, (c, t) in _DRF_CODES.items() if isinstance(exc, cls)), ("ERROR", "Error")
         )
         detail = exc.detail if isinstance(exc.detail, str) else exc.get_full_details()
-        problem = Problem(str(detail) if isinstance(detail, str) else title, status=exc.status_code, code=code)
+        problem = Problem(
+            str(detail) if isinstance(detail, str) else title, status=exc.status_code, code=code
+        )
         problem.title = title
         if not isinstance(detail, str):
             problem.extra["errors"] = detail
         headers = {}
         if getattr(exc, "auth_header", None):
             headers["WWW-Authenticate"] = str(exc.auth_header)  # type: ignore[attr-defined]
-        if isinstance(exc, drf_exceptions.Throttled) and exc.wait is not None:
-            headers["Retry-After"] = str(int(exc.wait))
         problem.headers = headers
         return problem_response(problem)
     return None

@@ -66,7 +66,11 @@ class Report:
 
     def summary(self) -> str:
         parts = []
-        for label, bucket in (("created", self.created), ("updated", self.updated), ("unchanged", self.unchanged)):
+        for label, bucket in (
+            ("created", self.created),
+            ("updated", self.updated),
+            ("unchanged", self.unchanged),
+        ):
             if bucket:
                 parts.append(f"{label}: " + ", ".join(f"{n} {k}" for k, n in sorted(bucket.items())))
         return "; ".join(parts) or "empty document"
@@ -107,7 +111,9 @@ class _Reader:
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise ProvisioningError(f"{self.path}.{key}", f"must be an integer, got {value!r}")
         if not isinstance(value, kind):
-            raise ProvisioningError(f"{self.path}.{key}", f"must be {kind.__name__}, got {type(value).__name__}")
+            raise ProvisioningError(
+                f"{self.path}.{key}", f"must be {kind.__name__}, got {type(value).__name__}"
+            )
         return value
 
     def positive(self, key: str, *, required: bool = True, allow_zero: bool = False) -> int | None:
@@ -172,12 +178,21 @@ def _account_limits(reader: _Reader) -> dict[str, Any]:
     }
 
 
-TOP_LEVEL = {"tokenizers", "modelPools", "modelRevisions", "taskClasses", "tenants", "accounts",
-             "serviceClients", "policies"}
+TOP_LEVEL = {
+    "tokenizers",
+    "modelPools",
+    "modelRevisions",
+    "taskClasses",
+    "tenants",
+    "accounts",
+    "serviceClients",
+    "policies",
+}
 
 
-def apply_config(doc: Any, *, tokenizer_dir: Path | None = None,
-                 validate_policy: Callable[[Any, str], None] | None = None) -> Report:
+def apply_config(
+    doc: Any, *, tokenizer_dir: Path | None = None, validate_policy: Callable[[Any, str], None] | None = None
+) -> Report:
     """Apply a provisioning document in one transaction. Raises ProvisioningError; nothing is applied then."""
     _Reader(doc, "$", TOP_LEVEL)
     tokenizer_dir = tokenizer_dir or Path(settings.TOKENIZER_DIR)
@@ -189,33 +204,61 @@ def apply_config(doc: Any, *, tokenizer_dir: Path | None = None,
             file_name = r.get("file", str, required=True)
             file_path = tokenizer_dir / file_name
             if not file_path.is_file():
-                raise ProvisioningError(f"{path}.file", f"{file_path} does not exist (run ./platform to fetch)")
+                raise ProvisioningError(
+                    f"{path}.file", f"{file_path} does not exist (run ./platform to fetch)"
+                )
             name = r.get("name", str, required=True)
             try:
                 rule = upper_bound_rule(json.loads(file_path.read_bytes()))
             except ValueError:
                 raise ProvisioningError(f"{path}.file", f"{file_path} is not a tokenizer JSON file") from None
-            tokenizers[name] = _sync(report, "tokenizers", Tokenizer, {"name": name}, {
-                "upper_bound_rule": rule or "",
-                "family": r.get("family", str, required=True),
-                "source": r.get("source", str, ""),
-                "file_name": file_name,
-                "digest": "sha256:" + sha256_file(file_path),
-                "nfkc": r.get("nfkc", bool, False),
-            })
+            tokenizers[name] = _sync(
+                report,
+                "tokenizers",
+                Tokenizer,
+                {"name": name},
+                {
+                    "upper_bound_rule": rule or "",
+                    "family": r.get("family", str, required=True),
+                    "source": r.get("source", str, ""),
+                    "file_name": file_name,
+                    "digest": "sha256:" + sha256_file(file_path),
+                    "nfkc": r.get("nfkc", bool, False),
+                },
+            )
 
         pools: dict[str, ModelPool] = {p.slug: p for p in ModelPool.objects.all()}
         for path, item in _items(doc, "modelPools"):
             r = _Reader(item, path, {"slug", "region", "providerBaseUrl"})
             slug = r.get("slug", str, required=True)
-            pools[slug] = _sync(report, "model pools", ModelPool, {"slug": slug}, {
-                "region": r.get("region", str, required=True),
-                "provider_base_url": r.get("providerBaseUrl", str, ""),
-            })
+            pools[slug] = _sync(
+                report,
+                "model pools",
+                ModelPool,
+                {"slug": slug},
+                {
+                    "region": r.get("region", str, required=True),
+                    "provider_base_url": r.get("providerBaseUrl", str, ""),
+                },
+            )
 
         for path, item in _items(doc, "modelRevisions"):
-            r = _Reader(item, path, {"name", "tokenizer", "pools", "contextWindow", "maxOutput", "templateFamily",
-                                     "imageFormula", "capabilities", "dataResidency", "safetyTier"})
+            r = _Reader(
+                item,
+                path,
+                {
+                    "name",
+                    "tokenizer",
+                    "pools",
+                    "contextWindow",
+                    "maxOutput",
+                    "templateFamily",
+                    "imageFormula",
+                    "capabilities",
+                    "dataResidency",
+                    "safetyTier",
+                },
+            )
             window = r.positive("contextWindow")
             max_output = r.positive("maxOutput")
             assert window is not None and max_output is not None
@@ -226,68 +269,122 @@ def apply_config(doc: Any, *, tokenizer_dir: Path | None = None,
             if bad:
                 raise ProvisioningError(f"{path}.capabilities", f"unknown capability {bad[0]!r}")
             pool_names = r.get("pools", list, required=True)
-            revision = _sync(report, "model revisions", ModelRevision, {"name": r.get("name", str, required=True)}, {
-                "tokenizer": _resolve(tokenizers, r.get("tokenizer", str, required=True), f"{path}.tokenizer",
-                                      "tokenizer"),
-                "context_window": window,
-                "max_output": max_output,
-                "template_family": r.choice("templateFamily", TEMPLATE_FAMILIES),
-                "image_formula": r.choice("imageFormula", {f.value for f in ImageFormula}, ImageFormula.NONE),
-                "capabilities": sorted(capabilities),
-                "data_residency": r.get("dataResidency", str, required=True),
-                "safety_tier": r.positive("safetyTier", required=False) or 1,
-            })
+            revision = _sync(
+                report,
+                "model revisions",
+                ModelRevision,
+                {"name": r.get("name", str, required=True)},
+                {
+                    "tokenizer": _resolve(
+                        tokenizers, r.get("tokenizer", str, required=True), f"{path}.tokenizer", "tokenizer"
+                    ),
+                    "context_window": window,
+                    "max_output": max_output,
+                    "template_family": r.choice("templateFamily", TEMPLATE_FAMILIES),
+                    "image_formula": r.choice(
+                        "imageFormula", {f.value for f in ImageFormula}, ImageFormula.TILES_512
+                    ),
+                    "capabilities": sorted(capabilities),
+                    "data_residency": r.get("dataResidency", str, required=True),
+                    "safety_tier": r.positive("safetyTier", required=False) or 1,
+                },
+            )
             wanted = [_resolve(pools, p, f"{path}.pools", "model pool") for p in pool_names]
             if _sync_m2m(revision, "pools", wanted):
                 report.note("model revision pools", "updated")
 
         task_classes: dict[str, TaskClass] = {t.slug: t for t in TaskClass.objects.all()}
         for path, item in _items(doc, "taskClasses"):
-            r = _Reader(item, path, {"slug", "description", "maxOutputCap", "inputCap", "queue", "rampPercent",
-                                     "tenantAccountDefaults"})
+            r = _Reader(
+                item,
+                path,
+                {
+                    "slug",
+                    "description",
+                    "maxOutputCap",
+                    "inputCap",
+                    "queue",
+                    "rampPercent",
+                    "tenantAccountDefaults",
+                },
+            )
             queue = _Reader(r.get("queue", dict, {}), f"{path}.queue", {"allowed", "deadlineSeconds"})
             ramp = r.positive("rampPercent", required=False, allow_zero=True)
             if ramp is not None and ramp > 100:
                 raise ProvisioningError(f"{path}.rampPercent", "must be between 0 and 100")
             defaults = r.get("tenantAccountDefaults", dict, None)
             if defaults is not None:
-                d = _Reader(defaults, f"{path}.tenantAccountDefaults",
-                            {"period", "inputLimit", "outputLimit", "concurrencyLimit"})
+                d = _Reader(
+                    defaults,
+                    f"{path}.tenantAccountDefaults",
+                    {"period", "inputLimit", "outputLimit", "concurrencyLimit"},
+                )
                 _account_limits(d)
             slug = r.get("slug", str, required=True)
-            task_classes[slug] = _sync(report, "task classes", TaskClass, {"slug": slug}, {
-                "description": r.get("description", str, ""),
-                "max_output_cap": r.positive("maxOutputCap"),
-                "input_cap": r.positive("inputCap"),
-                "queue_allowed": queue.get("allowed", bool, False),
-                "queue_deadline_seconds": queue.positive("deadlineSeconds", required=False) or 60,
-                "ramp_percent": 100 if ramp is None else ramp,
-                "tenant_account_defaults": defaults,
-            })
+            task_classes[slug] = _sync(
+                report,
+                "task classes",
+                TaskClass,
+                {"slug": slug},
+                {
+                    "description": r.get("description", str, ""),
+                    "max_output_cap": r.positive("maxOutputCap"),
+                    "input_cap": r.positive("inputCap"),
+                    "queue_allowed": queue.get("allowed", bool, False),
+                    "queue_deadline_seconds": queue.positive("deadlineSeconds", required=False) or 60,
+                    "ramp_percent": 100 if ramp is None else ramp,
+                    "tenant_account_defaults": defaults,
+                },
+            )
 
         tenants: dict[str, Tenant] = {t.slug: t for t in Tenant.objects.all()}
         for path, item in _items(doc, "tenants"):
             r = _Reader(item, path, {"slug", "name", "internal", "rolloutMode"})
             slug = r.get("slug", str, required=True)
-            tenants[slug] = _sync(report, "tenants", Tenant, {"slug": slug}, {
-                "name": r.get("name", str, slug),
-                "internal": r.get("internal", bool, False),
-                "rollout_mode": r.choice("rolloutMode", {m.value for m in RolloutMode}, RolloutMode.SHADOW),
-            })
+            tenants[slug] = _sync(
+                report,
+                "tenants",
+                Tenant,
+                {"slug": slug},
+                {
+                    "name": r.get("name", str, slug),
+                    "internal": r.get("internal", bool, False),
+                    "rollout_mode": r.choice(
+                        "rolloutMode", {m.value for m in RolloutMode}, RolloutMode.SHADOW
+                    ),
+                },
+            )
 
         now = timezone.now()
         for path, item in _items(doc, "accounts"):
-            r = _Reader(item, path, {"scope", "tenant", "taskClass", "pool", "period", "inputLimit", "outputLimit",
-                                     "concurrencyLimit"})
+            r = _Reader(
+                item,
+                path,
+                {
+                    "scope",
+                    "tenant",
+                    "taskClass",
+                    "pool",
+                    "period",
+                    "inputLimit",
+                    "outputLimit",
+                    "concurrencyLimit",
+                },
+            )
             scope = r.choice("scope", {s.value for s in Scope})
             keys: dict[str, Any] = {"scope": scope, "tenant": None, "task_class": None, "pool": None}
             if scope in {Scope.TENANT, Scope.TENANT_TASK}:
-                keys["tenant"] = _resolve(tenants, r.get("tenant", str, required=True), f"{path}.tenant", "tenant")
+                keys["tenant"] = _resolve(
+                    tenants, r.get("tenant", str, required=True), f"{path}.tenant", "tenant"
+                )
             if scope == Scope.TENANT_TASK:
-                keys["task_class"] = _resolve(task_classes, r.get("taskClass", str, required=True),
-                                              f"{path}.taskClass", "task class")
+                keys["task_class"] = _resolve(
+                    task_classes, r.get("taskClass", str, required=True), f"{path}.taskClass", "task class"
+                )
             if scope == Scope.POOL:
-                keys["pool"] = _resolve(pools, r.get("pool", str, required=True), f"{path}.pool", "model pool")
+                keys["pool"] = _resolve(
+                    pools, r.get("pool", str, required=True), f"{path}.pool", "model pool"
+                )
             limits = _account_limits(r)
             existing = CapacityAccount.objects.filter(**keys).first()
             if existing is None:
@@ -296,14 +393,23 @@ def apply_config(doc: Any, *, tokenizer_dir: Path | None = None,
 
         for path, item in _items(doc, "serviceClients"):
             r = _Reader(item, path, {"name", "tenants", "tokens", "active"})
-            client = _sync(report, "service clients", ServiceClient, {"name": r.get("name", str, required=True)},
-                           {"is_active": r.get("active", bool, True)})
-            wanted_tenants = [_resolve(tenants, t, f"{path}.tenants", "tenant") for t in r.get("tenants", list, [])]
+            client = _sync(
+                report,
+                "service clients",
+                ServiceClient,
+                {"name": r.get("name", str, required=True)},
+                {"is_active": r.get("active", bool, True)},
+            )
+            wanted_tenants = [
+                _resolve(tenants, t, f"{path}.tenants", "tenant") for t in r.get("tenants", list, [])
+            ]
             if _sync_m2m(client, "tenants", wanted_tenants):
                 report.note("service client tenants", "updated")
             for i, raw in enumerate(r.get("tokens", list, [])):
                 if not isinstance(raw, str) or len(raw) < 16:
-                    raise ProvisioningError(f"{path}.tokens[{i}]", "must be a string of at least 16 characters")
+                    raise ProvisioningError(
+                        f"{path}.tokens[{i}]", "must be a string of at least 16 characters"
+                    )
                 token_hash = hash_token(raw)
                 owner = ApiToken.objects.filter(token_hash=token_hash).first()
                 if owner is None:
@@ -329,15 +435,23 @@ def apply_config(doc: Any, *, tokenizer_dir: Path | None = None,
             existing_version = versions.get(revision)
             if existing_version is not None and existing_version.state == PolicyState.VALIDATED:
                 if existing_version.document != document:
-                    raise ProvisioningError(f"{path}.document", f"policy r{revision} is validated and immutable")
+                    raise ProvisioningError(
+                        f"{path}.document", f"policy r{revision} is validated and immutable"
+                    )
                 report.note("policy versions", "unchanged")
                 continue
-            versions[revision] = _sync(report, "policy versions", PolicyVersion, {"revision": revision}, {
-                "document": document,
-                "note": r.get("note", str, ""),
-                "state": PolicyState.VALIDATED,
-                "validated_at": existing_version.validated_at if existing_version else now,
-            })
+            versions[revision] = _sync(
+                report,
+                "policy versions",
+                PolicyVersion,
+                {"revision": revision},
+                {
+                    "document": document,
+                    "note": r.get("note", str, ""),
+                    "state": PolicyState.VALIDATED,
+                    "validated_at": existing_version.validated_at if existing_version else now,
+                },
+            )
         for path, item in _items(policies.data, "aliases"):
             path = "policies." + path
             r = _Reader(item, path, {"name", "version"})

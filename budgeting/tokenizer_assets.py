@@ -49,7 +49,12 @@ ASSETS: tuple[Asset, ...] = (
         _TOKENIZERS + "anthropic_tokenizer.json",
         "c241737df24b4e7f7c9af4fdcee29a0ca903dcb288a8b753bc346a3092911767",
     ),
-    Asset("litellm.LICENSE", LITELLM, "litellm-1.110.2.dist-info/licenses/LICENSE", "b170d6bf8e8835dd357e011681db028f4d51e2fb0ea892058f56e01fb39b8273"),
+    Asset(
+        "litellm.LICENSE",
+        LITELLM,
+        "litellm-1.110.2.dist-info/licenses/LICENSE",
+        "b170d6bf8e8835dd357e011681db028f4d51e2fb0ea892058f56e01fb39b8273",
+    ),
 )
 
 
@@ -98,7 +103,11 @@ def fetch(target: Path) -> list[Path]:
 
 
 def main() -> None:
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "var" / "tokenizers"
+    target = (
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parent.parent / "var" / "tokenizers"
+    )
     for path in fetch(target):
         print(f"{path}  {sha256_file(path)[:16]}…")
 

@@ -18,6 +18,9 @@ urlpatterns = [
     path(f"{R}/fail", views.FailView.as_view(), name="reservation-fail"),
     path(f"{R}/lease", views.LeaseView.as_view(), name="reservation-lease"),
     path(f"{R}/outcome", views.OutcomeView.as_view(), name="reservation-outcome"),
-    path("api/v1/schema", SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
-         name="schema"),
+    path(
+        "api/v1/schema",
+        SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
+        name="schema",
+    ),
 ]

@@ -70,13 +70,17 @@ def _reservation_id(raw: str) -> uuid.UUID:
 
 
 class AdmissionView(TenantScopedView):
-    @extend_schema(request=AdmissionIn, responses={200: AnyObject, 201: AnyObject, 202: AnyObject, **ERRORS},
-                   operation_id="admit")
+    @extend_schema(
+        request=AdmissionIn,
+        responses={200: AnyObject, 201: AnyObject, 202: AnyObject, **ERRORS},
+        operation_id="admit",
+    )
     def post(self, request: Request) -> Response:
         key = request.headers.get("Idempotency-Key", "")
         body = self.validated(AdmissionIn, request.data)
-        result = admission.admit(tenants=self.tenants(), envelope=body, raw=request.data, idempotency_key=key,
-                                 now=timezone.now())
+        result = admission.admit(
+            tenants=self.tenants(), envelope=body, raw=request.data, idempotency_key=key, now=timezone.now()
+        )
         response = Response(result.body, status=result.status)
         for name, value in result.headers.items():
             response[name] = value
@@ -108,13 +112,20 @@ class _LifecycleView(TenantScopedView):
 
 
 class DispatchView(_LifecycleView):
-    @extend_schema(request=DispatchIn, responses={200: AnyObject, **ERRORS}, operation_id="dispatchReservation")
+    @extend_schema(
+        request=DispatchIn, responses={200: AnyObject, **ERRORS}, operation_id="dispatchReservation"
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(DispatchIn, request.data)
-        services.dispatch(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"],
-                          provider_request_id=body["providerRequestId"], admitted_digest=body["admittedDigest"],
-                          now=timezone.now())
+        services.dispatch(
+            reservation_id=rid,
+            tenant_ids=self.tenant_ids(),
+            fence=body["fence"],
+            provider_request_id=body["providerRequestId"],
+            admitted_digest=body["admittedDigest"],
+            now=timezone.now(),
+        )
         return self.respond(rid)
 
 
@@ -123,10 +134,19 @@ class UsageView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(UsageIn, request.data)
-        usage = services.Usage(usage_event_id=body["usageEventId"], output_tokens=body["outputTokens"],
-                               input_tokens=body.get("inputTokens"), final=body["final"])
-        _, applied = services.record_usage(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"],
-                                           usage=usage, now=timezone.now())
+        usage = services.Usage(
+            usage_event_id=body["usageEventId"],
+            output_tokens=body["outputTokens"],
+            input_tokens=body.get("inputTokens"),
+            final=body["final"],
+        )
+        _, applied = services.record_usage(
+            reservation_id=rid,
+            tenant_ids=self.tenant_ids(),
+            fence=body["fence"],
+            usage=usage,
+            now=timezone.now(),
+        )
         return self.respond(rid, applied=applied)
 
 
@@ -135,9 +155,14 @@ class TopUpView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(TopUpIn, request.data)
-        _, applied = services.top_up(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"],
-                                     top_up_id=body["topUpId"], output_tokens=body["outputTokens"],
-                                     now=timezone.now())
+        _, applied = services.top_up(
+            reservation_id=rid,
+            tenant_ids=self.tenant_ids(),
+            fence=body["fence"],
+            top_up_id=body["topUpId"],
+            output_tokens=body["outputTokens"],
+            now=timezone.now(),
+        )
         return self.respond(rid, applied=applied)
 
 
@@ -146,7 +171,9 @@ class CancelView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
-        services.cancel(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], now=timezone.now())
+        services.cancel(
+            reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], now=timezone.now()
+        )
         return self.respond(rid)
 
 
@@ -158,10 +185,21 @@ class FailView(_LifecycleView):
         raw_usage = body.get("usage")
         usage = None
         if raw_usage:
-            usage = services.Usage(usage_event_id=raw_usage["usageEventId"], output_tokens=raw_usage["outputTokens"],
-                                   input_tokens=raw_usage.get("inputTokens"), final=False)
-        services.fail(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], reason=body["reason"],
-                      request_sent=body["requestSent"], usage=usage, now=timezone.now())
+            usage = services.Usage(
+                usage_event_id=raw_usage["usageEventId"],
+                output_tokens=raw_usage["outputTokens"],
+                input_tokens=raw_usage.get("inputTokens"),
+                final=False,
+            )
+        services.fail(
+            reservation_id=rid,
+            tenant_ids=self.tenant_ids(),
+            fence=body["fence"],
+            reason=body["reason"],
+            request_sent=body["requestSent"],
+            usage=usage,
+            now=timezone.now(),
+        )
         return self.respond(rid)
 
 
@@ -179,6 +217,10 @@ class OutcomeView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(OutcomeIn, request.data)
-        services.record_outcome(reservation_id=rid, tenant_ids=self.tenant_ids(), task_success=body["taskSuccess"],
-                                cited_evidence_ids=body["citedEvidenceIds"])
+        services.record_outcome(
+            reservation_id=rid,
+            tenant_ids=self.tenant_ids(),
+            task_success=body["taskSuccess"],
+            cited_evidence_ids=body["citedEvidenceIds"],
+        )
         return self.respond(rid)

@@ -1,21 +1,23 @@
 """Every row lock of the ledger, in one place and one canonical order.
 
 Order: a reservation row first (at most one per transaction), then capacity accounts by ascending primary key.
-Admission inserts its (new, uncontended) reservation row and then updates accounts in the same ascending order,
-so two transactions never wait on each other in opposite directions and cannot deadlock.
+Admission inserts its (new, uncontended) reservation row and then updates accounts in the same
+ascending order, so two transactions never wait on each other in opposite directions and cannot deadlock.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from django.db import connection
 
 from ledger.models import CapacityAccount, Reservation
 
 
-def lock_reservation(reservation_id: uuid.UUID, tenant_ids: Iterable[int] | None = None) -> Reservation | None:
+def lock_reservation(
+    reservation_id: uuid.UUID, tenant_ids: Iterable[int] | None = None
+) -> Reservation | None:
     """Lock and return a fresh copy of one reservation, or None if it does not exist for these tenants.
 
     FOR UPDATE because every lifecycle write reads state, fence and amounts and then writes them: without the
@@ -39,7 +41,7 @@ def db_now() -> object:
         return cursor.fetchone()[0]
 
 
-def lock_expired_leases(states: list[str], db_now: object, limit: int) -> list[Reservation]:
+def lock_expired_leases(states: Sequence[str], db_now: object, limit: int) -> list[Reservation]:
     """Lock reservations whose lease expired, skipping rows another reclaimer (or a gateway write) holds."""
     return list(
         Reservation.objects.select_for_update(skip_locked=True, of=("self",))

@@ -32,9 +32,15 @@ class CapacityAccount(models.Model):
     """A budget at one scope. Balances change only through ``ledger.services`` and always with an entry."""
 
     scope = models.CharField(max_length=12, choices=Scope.choices)
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="accounts")
-    task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, null=True, blank=True, related_name="+")
-    pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, null=True, blank=True, related_name="accounts")
+    tenant = models.ForeignKey(
+        Tenant, on_delete=models.PROTECT, null=True, blank=True, related_name="accounts"
+    )
+    task_class = models.ForeignKey(
+        TaskClass, on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    pool = models.ForeignKey(
+        ModelPool, on_delete=models.PROTECT, null=True, blank=True, related_name="accounts"
+    )
     period = models.CharField(max_length=5, choices=Period.choices, default=Period.MONTH)
     period_start = models.DateTimeField(help_text="Start of the current period (UTC).")
     input_limit = models.BigIntegerField(null=True, blank=True, help_text="Empty means unlimited.")
@@ -54,13 +60,19 @@ class CapacityAccount(models.Model):
                 fields=["tenant"], condition=Q(scope="TENANT"), name="account_unique_tenant_scope"
             ),
             models.UniqueConstraint(
-                fields=["tenant", "task_class"], condition=Q(scope="TENANT_TASK"), name="account_unique_tenant_task"
+                fields=["tenant", "task_class"],
+                condition=Q(scope="TENANT_TASK"),
+                name="account_unique_tenant_task",
             ),
-            models.UniqueConstraint(fields=["pool"], condition=Q(scope="POOL"), name="account_unique_pool_scope"),
+            models.UniqueConstraint(
+                fields=["pool"], condition=Q(scope="POOL"), name="account_unique_pool_scope"
+            ),
             models.CheckConstraint(
                 condition=(
                     Q(scope="TENANT", tenant__isnull=False, task_class__isnull=True, pool__isnull=True)
-                    | Q(scope="TENANT_TASK", tenant__isnull=False, task_class__isnull=False, pool__isnull=True)
+                    | Q(
+                        scope="TENANT_TASK", tenant__isnull=False, task_class__isnull=False, pool__isnull=True
+                    )
                     | Q(scope="POOL", tenant__isnull=True, task_class__isnull=True, pool__isnull=False)
                 ),
                 name="account_scope_keys",
@@ -138,7 +150,9 @@ class Reservation(FSMModelMixin, models.Model):
 
     input_reserved = models.BigIntegerField(default=0)
     input_consumed = models.BigIntegerField(default=0)
-    input_reported = models.BigIntegerField(null=True, blank=True, help_text="Input tokens the provider reported.")
+    input_reported = models.BigIntegerField(
+        null=True, blank=True, help_text="Input tokens the provider reported."
+    )
     output_reserved = models.BigIntegerField(default=0)
     top_ups = models.BigIntegerField(default=0)
     captured = models.BigIntegerField(default=0)
@@ -153,7 +167,9 @@ class Reservation(FSMModelMixin, models.Model):
     failure_reason = models.CharField(max_length=300, blank=True)
     queue_deadline = models.DateTimeField(null=True, blank=True)
     request_body = models.JSONField(null=True, blank=True, help_text="Kept while queued, to admit later.")
-    response_body = models.JSONField(null=True, blank=True, help_text="The first answer, for idempotent replays.")
+    response_body = models.JSONField(
+        null=True, blank=True, help_text="The first answer, for idempotent replays."
+    )
 
     task_success = models.BooleanField(null=True, blank=True)
     cited_evidence_ids = models.JSONField(null=True, blank=True)
@@ -167,7 +183,9 @@ class Reservation(FSMModelMixin, models.Model):
     class Meta:
         ordering = ["-created_at"]
         constraints = [
-            models.UniqueConstraint(fields=["tenant", "idempotency_key"], name="reservation_unique_idempotency_key"),
+            models.UniqueConstraint(
+                fields=["tenant", "idempotency_key"], name="reservation_unique_idempotency_key"
+            ),
             models.CheckConstraint(
                 condition=Q(captured__gte=0)
                 & Q(remaining__gte=0)
@@ -198,8 +216,13 @@ class Reservation(FSMModelMixin, models.Model):
 
     @property
     def in_flight(self) -> bool:
-        return self.state in {State.RESERVED, State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED,
-                              State.RECONCILING}
+        return self.state in {
+            State.RESERVED,
+            State.DISPATCHED,
+            State.RUNNING,
+            State.PARTIALLY_SETTLED,
+            State.RECONCILING,
+        }
 
     # Transitions only set fields; services lock the row, call them and save.
 
@@ -271,6 +294,9 @@ class Hold(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["reservation", "account"], name="hold_unique")]
 
+    def __str__(self) -> str:
+        return f"hold {self.reservation_id} on {self.account_id}"
+
 
 class EntryKind(models.TextChoices):
     HOLD = "HOLD", "Hold (reserve)"
@@ -314,7 +340,9 @@ class UsageEvent(models.Model):
     input_tokens = models.BigIntegerField(null=True, blank=True)
     output_tokens = models.BigIntegerField()
     final = models.BooleanField(default=False)
-    captured = models.BigIntegerField(default=0, help_text="Part of output_tokens taken from the reservation.")
+    captured = models.BigIntegerField(
+        default=0, help_text="Part of output_tokens taken from the reservation."
+    )
     overrun = models.BigIntegerField(default=0, help_text="Part of output_tokens beyond the reservation.")
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -328,6 +356,9 @@ class UsageEvent(models.Model):
             ),
         ]
 
+    def __str__(self) -> str:
+        return f"usage {self.usage_event_id}: {self.output_tokens}"
+
 
 class TopUp(models.Model):
     reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="top_up_records")
@@ -340,3 +371,6 @@ class TopUp(models.Model):
             models.UniqueConstraint(fields=["reservation", "top_up_id"], name="top_up_unique_id"),
             models.CheckConstraint(condition=Q(output_tokens__gt=0), name="top_up_positive"),
         ]
+
+    def __str__(self) -> str:
+        return f"top-up {self.top_up_id}: {self.output_tokens}"

@@ -117,13 +117,13 @@ def audit(now: Any = None) -> AuditReport:
     }
     for account in CapacityAccount.objects.all():
         report.accounts_checked += 1
-        totals = sums.get(account.pk, {})
+        totals: dict[str, Any] = dict(sums.get(account.pk) or {})
         for name in BALANCE_FIELDS:
             expected = totals.get(name) or 0
             if getattr(account, name) != expected:
                 report.violations.append(
-                    f"account {account.pk} ({account.label}): {name}={getattr(account, name)} but entries sum "
-                    f"to {expected}"
+                    f"account {account.pk} ({account.label}): {name}={getattr(account, name)} "
+                    f"but entries sum to {expected}"
                 )
     for reservation in Reservation.objects.exclude(state__in=[State.PROPOSED]).iterator():
         report.reservations_checked += 1

@@ -1,8 +1,8 @@
 """The write path of the ledger: every change of an account or a reservation goes through here.
 
 Each use case owns its ``transaction.atomic(durable=True)`` boundary, locks through ``ledger.locks`` in the
-canonical order, applies a django-fsm transition on the freshly locked row, writes one ledger entry per account
-balance change, and saves. Domain errors are ``Problem`` subclasses with stable codes.
+canonical order, applies a django-fsm transition on the freshly locked row, writes one ledger entry per
+account balance change, and saves. Domain errors are ``Problem`` subclasses with stable codes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, T
 from budgeting.problems import Conflict, NotFound, Problem, Unavailable
 from ledger import locks
 from ledger.models import (
+    AFTER_DISPATCH,
     CapacityAccount,
     EntryKind,
     Hold,
@@ -109,17 +110,21 @@ def _current_period_start(account: CapacityAccount, now: datetime) -> datetime:
     return period_start_for(account.period, now)
 
 
-def applicable_accounts(*, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
-                        ) -> list[CapacityAccount]:
+def applicable_accounts(
+    *, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
+) -> list[CapacityAccount]:
     """The accounts a request for (tenant, task class, pool) holds on, in lock order.
 
     A tenant × task-class account that does not exist yet is created from the task class's defaults; many
     threads doing it at once is safe (INSERT … ON CONFLICT DO NOTHING on the partial unique index).
     """
     defaults = task_class.tenant_account_defaults
-    if defaults and not CapacityAccount.objects.filter(
-        scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class
-    ).exists():
+    if (
+        defaults
+        and not CapacityAccount.objects.filter(
+            scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class
+        ).exists()
+    ):
         period = defaults.get("period", Period.MONTH)
         CapacityAccount.objects.bulk_create(
             [
@@ -194,20 +199,28 @@ def _reserve_on(account: CapacityAccount, *, input_tokens: int, output_tokens: i
         return cursor.rowcount == 1
 
 
-def _shortage(account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
-              ) -> QuotaExceeded:
+def _shortage(
+    account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
+) -> QuotaExceeded:
     fresh = CapacityAccount.objects.get(pk=account.pk)
     checks = [
         ("input", fresh.input_limit, fresh.input_reserved + fresh.input_consumed, input_tokens),
         ("output", fresh.output_limit, fresh.output_reserved + fresh.output_consumed, output_tokens),
         ("concurrency", fresh.concurrency_limit, fresh.in_flight, concurrency),
     ]
-    for dimension, limit, used, requested in checks:
-        if limit is not None and requested and used + requested > limit:
-            available = max(limit - used, 0)
-            break
-    else:
+    short = next(
+        (
+            (dim, limit, used, requested)
+            for dim, limit, used, requested in checks
+            if limit is not None and requested and used + requested > limit
+        ),
+        None,
+    )
+    if short is None:
         dimension, requested, available = "input", input_tokens, 0
+    else:
+        dimension, limit, used, requested = short
+        available = max((limit or 0) - used, 0)
     retry_after = 1 if dimension == "concurrency" else 60
     return QuotaExceeded(
         f"{fresh.label}: {dimension} needs {requested}, {available} available",
@@ -219,9 +232,19 @@ def _shortage(account: CapacityAccount, *, input_tokens: int, output_tokens: int
     )
 
 
-def _apply(reservation: Reservation, account_ids: Sequence[int], kind: str, *, reason: str = "",
-           input_reserved: int = 0, output_reserved: int = 0, input_consumed: int = 0, output_consumed: int = 0,
-           in_flight: int = 0, now: datetime) -> None:
+def _apply(
+    reservation: Reservation,
+    account_ids: Sequence[int],
+    kind: str,
+    *,
+    reason: str = "",
+    input_reserved: int = 0,
+    output_reserved: int = 0,
+    input_consumed: int = 0,
+    output_consumed: int = 0,
+    in_flight: int = 0,
+    now: datetime,
+) -> None:
     """Move balances on every held account (ascending pk) and write one entry per account."""
     if not any((input_reserved, output_reserved, input_consumed, output_consumed, in_flight)):
         return
@@ -285,7 +308,9 @@ class Admitted:
     replayed: bool
 
 
-def find_by_idempotency_key(*, tenant: Tenant, idempotency_key: str, rendered_digest: str) -> Reservation | None:
+def find_by_idempotency_key(
+    *, tenant: Tenant, idempotency_key: str, rendered_digest: str
+) -> Reservation | None:
     """The earlier reservation for this key, or None. Raises IdempotencyConflict if its digest differs."""
     existing = Reservation.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
     if existing is None:
@@ -298,8 +323,9 @@ def find_by_idempotency_key(*, tenant: Tenant, idempotency_key: str, rendered_di
     return existing
 
 
-def reserve(*, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
-            ) -> Admitted:
+def reserve(
+    *, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
+) -> Admitted:
     """Hold input, output and one concurrency slot on every applicable account in one transaction.
 
     Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
@@ -345,12 +371,19 @@ def reserve(*, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str
             # then fails, before it touches any account.
             reservation.save(force_insert=True)
             for account in accounts:
-                if not _reserve_on(account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens,
-                                   concurrency=1):
+                if not _reserve_on(
+                    account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
+                ):
                     raise _ShortageSignal(account)
             Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
-            _entries(reservation, accounts, EntryKind.HOLD, input_reserved=spec.input_tokens,
-                     output_reserved=spec.output_tokens, in_flight=1)
+            _entries(
+                reservation,
+                accounts,
+                EntryKind.HOLD,
+                input_reserved=spec.input_tokens,
+                output_reserved=spec.output_tokens,
+                in_flight=1,
+            )
             return reservation
 
     try:
@@ -363,8 +396,9 @@ def reserve(*, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str
             raise
         return Admitted(earlier, replayed=True)
     except _ShortageSignal as signal:
-        problem = _shortage(signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens,
-                            concurrency=1)
+        problem = _shortage(
+            signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
+        )
         if spec.queue:
             return _enqueue(spec, build_body, problem)
         raise problem from None
@@ -383,8 +417,9 @@ def _entries(reservation: Reservation, accounts: Iterable[CapacityAccount], kind
     )
 
 
-def _enqueue(spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], problem: QuotaExceeded
-             ) -> Admitted:
+def _enqueue(
+    spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], problem: QuotaExceeded
+) -> Admitted:
     try:
         with transaction.atomic(durable=True):
             db_now = locks.db_now()
@@ -423,19 +458,24 @@ def _enqueue(spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, 
         return Admitted(earlier, replayed=True)
 
 
-def admit_queued(*, reservation_id: uuid.UUID, build_body: Callable[[Reservation], dict[str, Any]],
-                 now: datetime) -> Reservation | None:
+def admit_queued(
+    *, reservation_id: uuid.UUID, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
+) -> Reservation | None:
     """Try to admit one queued reservation: RESERVED if capacity is there now, REJECTED past its deadline.
 
     Returns the reservation when its state changed, None when it stays queued (or is not queued any more).
     Safe to run concurrently: the row lock and the state guard decide, so a request is admitted at most once.
     """
-    proposed = Reservation.objects.filter(pk=reservation_id, state=State.PROPOSED).select_related(
-        "tenant", "task_class", "model_pool").first()
+    proposed = (
+        Reservation.objects.filter(pk=reservation_id, state=State.PROPOSED)
+        .select_related("tenant", "task_class", "model_pool")
+        .first()
+    )
     if proposed is None:
         return None
-    accounts = applicable_accounts(tenant=proposed.tenant, task_class=proposed.task_class,
-                                   pool=proposed.model_pool, now=now)
+    accounts = applicable_accounts(
+        tenant=proposed.tenant, task_class=proposed.task_class, pool=proposed.model_pool, now=now
+    )
     with transaction.atomic(durable=True):
         reservation = locks.lock_reservation(reservation_id)
         if reservation is None or reservation.state != State.PROPOSED:
@@ -449,8 +489,12 @@ def admit_queued(*, reservation_id: uuid.UUID, build_body: Callable[[Reservation
             return reservation
         sid = transaction.savepoint()
         for account in accounts:
-            if not _reserve_on(account, input_tokens=reservation.input_reserved,
-                               output_tokens=reservation.output_reserved, concurrency=1):
+            if not _reserve_on(
+                account,
+                input_tokens=reservation.input_reserved,
+                output_tokens=reservation.output_reserved,
+                concurrency=1,
+            ):
                 transaction.savepoint_rollback(sid)
                 return None
         transaction.savepoint_commit(sid)
@@ -461,14 +505,22 @@ def admit_queued(*, reservation_id: uuid.UUID, build_body: Callable[[Reservation
         reservation.response_body = build_body(reservation)
         reservation.save()
         Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
-        _entries(reservation, accounts, EntryKind.HOLD, input_reserved=reservation.input_reserved,
-                 output_reserved=reservation.output_reserved, in_flight=1)
+        _entries(
+            reservation,
+            accounts,
+            EntryKind.HOLD,
+            input_reserved=reservation.input_reserved,
+            output_reserved=reservation.output_reserved,
+            in_flight=1,
+        )
         return reservation
 
 
 def queue_position(reservation: Reservation) -> int:
     return Reservation.objects.filter(
-        state=State.PROPOSED, tenant=reservation.tenant, task_class=reservation.task_class,
+        state=State.PROPOSED,
+        tenant=reservation.tenant,
+        task_class=reservation.task_class,
         created_at__lte=reservation.created_at,
     ).count()
 
@@ -489,23 +541,36 @@ def _locked(reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) ->
 
 
 def _refuse(reservation: Reservation, action: str) -> InvalidTransition:
-    return InvalidTransition(f"cannot {action} a reservation in state {reservation.state}",
-                             state=reservation.state, outcome=reservation.outcome or None)
+    return InvalidTransition(
+        f"cannot {action} a reservation in state {reservation.state}",
+        state=reservation.state,
+        outcome=reservation.outcome or None,
+    )
 
 
-def dispatch(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, provider_request_id: str,
-             admitted_digest: str, now: datetime) -> Reservation:
+def dispatch(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    provider_request_id: str,
+    admitted_digest: str,
+    now: datetime,
+) -> Reservation:
     """Record the dispatch (before the provider call): input is posted as consumed.
 
     Repeating the same dispatch is a no-op. Raises PayloadChanged for another digest, StaleFence,
     InvalidTransition, NotFound.
     """
+
     def attempt() -> Reservation:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
             if admitted_digest != reservation.admitted_digest:
-                raise PayloadChanged("admittedDigest differs from the admitted payload's digest",
-                                     expected=reservation.admitted_digest)
+                raise PayloadChanged(
+                    "admittedDigest differs from the admitted payload's digest",
+                    expected=reservation.admitted_digest,
+                )
             if reservation.state != State.RESERVED:
                 if reservation.provider_request_id == provider_request_id and reservation.dispatched_at:
                     return reservation
@@ -514,8 +579,15 @@ def dispatch(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int
             reservation.dispatched_at = now
             reservation.save()
             n = reservation.input_reserved
-            _apply(reservation, _held_account_ids(reservation), EntryKind.POST, input_reserved=-n,
-                   input_consumed=n, reason="dispatched", now=now)
+            _apply(
+                reservation,
+                _held_account_ids(reservation),
+                EntryKind.POST,
+                input_reserved=-n,
+                input_consumed=n,
+                reason="dispatched",
+                now=now,
+            )
             return reservation
 
     return with_retries(attempt)
@@ -529,73 +601,141 @@ class Usage:
     final: bool
 
 
-def _capture(reservation: Reservation, account_ids: list[int], *, usage_event_id: str, output_tokens: int,
-             input_tokens: int | None, final: bool, now: datetime) -> UsageEvent:
+def _capture(
+    reservation: Reservation,
+    account_ids: list[int],
+    *,
+    usage_event_id: str,
+    output_tokens: int,
+    input_tokens: int | None,
+    final: bool,
+    now: datetime,
+) -> UsageEvent:
     take = min(output_tokens, reservation.remaining)
     over = output_tokens - take
     event = UsageEvent.objects.create(
-        reservation=reservation, usage_event_id=usage_event_id, input_tokens=input_tokens,
-        output_tokens=output_tokens, final=final, captured=take, overrun=over,
+        reservation=reservation,
+        usage_event_id=usage_event_id,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        final=final,
+        captured=take,
+        overrun=over,
     )
     reservation.captured += take
     reservation.remaining -= take
     reservation.overrun += over
-    _apply(reservation, account_ids, EntryKind.POST, output_reserved=-take, output_consumed=output_tokens,
-           reason=f"usage {usage_event_id}" + (f" (overrun {over})" if over else ""), now=now)
+    _apply(
+        reservation,
+        account_ids,
+        EntryKind.POST,
+        output_reserved=-take,
+        output_consumed=output_tokens,
+        reason=f"usage {usage_event_id}" + (f" (overrun {over})" if over else ""),
+        now=now,
+    )
     if input_tokens is not None and input_tokens != reservation.input_consumed:
         # The provider's own count of the input is authoritative for billing: correct what dispatch posted.
         delta = input_tokens - reservation.input_consumed
         reservation.input_consumed = input_tokens
-        _apply(reservation, account_ids, EntryKind.CORRECTION, input_consumed=delta,
-               reason=f"provider counted {input_tokens} input tokens", now=now)
+        _apply(
+            reservation,
+            account_ids,
+            EntryKind.CORRECTION,
+            input_consumed=delta,
+            reason=f"provider counted {input_tokens} input tokens",
+            now=now,
+        )
     if input_tokens is not None:
         reservation.input_reported = input_tokens
     return event
 
 
-def _transition_settle(reservation: Reservation, transition: Callable[[], None], account_ids: list[int], *,
-                       reason: str, now: datetime, release_input: int = 0, refund_input: int = 0) -> None:
-    """Apply a settling transition (it moves ``remaining`` to ``released``), then release that output hold,
-    the concurrency slot and any unposted input hold on every account; refund input when proven unprocessed."""
+def _transition_settle(
+    reservation: Reservation,
+    transition: Callable[[], None],
+    account_ids: list[int],
+    *,
+    reason: str,
+    now: datetime,
+    release_input: int = 0,
+    refund_input: int = 0,
+) -> None:
+    """Apply a settling transition (it moves ``remaining`` to ``released``), then release that output
+    hold, the concurrency slot and any unposted input hold on every account; refund input when proven
+    unprocessed."""
     remaining = reservation.remaining
     transition()
     slot = -1 if reservation.concurrency_held else 0
     reservation.concurrency_held = False
     reservation.settled_at = now
-    _apply(reservation, account_ids, EntryKind.RELEASE, output_reserved=-remaining, in_flight=slot,
-           input_reserved=-release_input, reason=reason, now=now)
+    _apply(
+        reservation,
+        account_ids,
+        EntryKind.RELEASE,
+        output_reserved=-remaining,
+        in_flight=slot,
+        input_reserved=-release_input,
+        reason=reason,
+        now=now,
+    )
     if refund_input:
-        _apply(reservation, account_ids, EntryKind.CORRECTION, input_consumed=-refund_input,
-               reason="provider never processed the request: input refunded", now=now)
+        _apply(
+            reservation,
+            account_ids,
+            EntryKind.CORRECTION,
+            input_consumed=-refund_input,
+            reason="provider never processed the request: input refunded",
+            now=now,
+        )
 
 
-def record_usage(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, usage: Usage,
-                 now: datetime) -> tuple[Reservation, bool]:
+def record_usage(
+    *, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, usage: Usage, now: datetime
+) -> tuple[Reservation, bool]:
     """Capture one usage delta, idempotent by usageEventId; a final event settles (COMPLETED).
 
     Returns (reservation, applied); applied is False for an exact replay. Raises UsageEventConflict,
     StaleFence, InvalidTransition, NotFound.
     """
+
     def attempt() -> tuple[Reservation, bool]:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
-            earlier = UsageEvent.objects.filter(reservation=reservation, usage_event_id=usage.usage_event_id).first()
+            earlier = UsageEvent.objects.filter(
+                reservation=reservation, usage_event_id=usage.usage_event_id
+            ).first()
             if earlier is not None:
                 if (earlier.output_tokens, earlier.input_tokens, earlier.final) != (
-                        usage.output_tokens, usage.input_tokens, usage.final):
+                    usage.output_tokens,
+                    usage.input_tokens,
+                    usage.final,
+                ):
                     raise UsageEventConflict(
                         f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
-                        recorded={"outputTokens": earlier.output_tokens, "inputTokens": earlier.input_tokens,
-                                  "final": earlier.final},
+                        recorded={
+                            "outputTokens": earlier.output_tokens,
+                            "inputTokens": earlier.input_tokens,
+                            "final": earlier.final,
+                        },
                     )
                 return reservation, False
             if reservation.state not in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}:
                 raise _refuse(reservation, "record usage on")
             account_ids = _held_account_ids(reservation)
-            _capture(reservation, account_ids, usage_event_id=usage.usage_event_id,
-                     output_tokens=usage.output_tokens, input_tokens=usage.input_tokens, final=usage.final, now=now)
+            _capture(
+                reservation,
+                account_ids,
+                usage_event_id=usage.usage_event_id,
+                output_tokens=usage.output_tokens,
+                input_tokens=usage.input_tokens,
+                final=usage.final,
+                now=now,
+            )
             if usage.final:
-                _transition_settle(reservation, reservation.complete, account_ids, reason="final usage", now=now)
+                _transition_settle(
+                    reservation, reservation.complete, account_ids, reason="final usage", now=now
+                )
             elif reservation.state == State.DISPATCHED:
                 reservation.start_running()
             reservation.save()
@@ -604,21 +744,34 @@ def record_usage(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence:
     return with_retries(attempt)
 
 
-def top_up(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, top_up_id: str,
-           output_tokens: int, now: datetime) -> tuple[Reservation, bool]:
+def top_up(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    top_up_id: str,
+    output_tokens: int,
+    now: datetime,
+) -> tuple[Reservation, bool]:
     """Extend the output hold; idempotent by topUpId. Raises QuotaExceeded when an account is short."""
+
     def attempt() -> tuple[Reservation, bool]:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
             earlier = TopUp.objects.filter(reservation=reservation, top_up_id=top_up_id).first()
             if earlier is not None:
                 if earlier.output_tokens != output_tokens:
-                    raise Conflict(f"topUpId {top_up_id!r} was recorded with another amount",
-                                   code="TOP_UP_CONFLICT", recorded=earlier.output_tokens)
+                    raise Conflict(
+                        f"topUpId {top_up_id!r} was recorded with another amount",
+                        code="TOP_UP_CONFLICT",
+                        recorded=earlier.output_tokens,
+                    )
                 return reservation, False
             if reservation.state not in {State.RESERVED, State.DISPATCHED, State.RUNNING}:
                 raise _refuse(reservation, "top up")
-            accounts = list(CapacityAccount.objects.filter(pk__in=_held_account_ids(reservation)).order_by("pk"))
+            accounts = list(
+                CapacityAccount.objects.filter(pk__in=_held_account_ids(reservation)).order_by("pk")
+            )
             for account in accounts:
                 if not _reserve_on(account, input_tokens=0, output_tokens=output_tokens, concurrency=0):
                     raise _ShortageSignal(account)
@@ -637,14 +790,20 @@ def top_up(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
 
 def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, now: datetime) -> Reservation:
     """Before dispatch: release everything. After: settle what was consumed, keep the rest held."""
+
     def attempt() -> Reservation:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
             account_ids = _held_account_ids(reservation)
             if reservation.state == State.RESERVED:
-                _transition_settle(reservation, reservation.release_undispatched, account_ids,
-                                   reason="cancelled before dispatch", now=now,
-                                   release_input=reservation.input_reserved)
+                _transition_settle(
+                    reservation,
+                    reservation.release_undispatched,
+                    account_ids,
+                    reason="cancelled before dispatch",
+                    now=now,
+                    release_input=reservation.input_reserved,
+                )
                 reservation.failure_reason = "cancelled"
             elif reservation.state in {State.DISPATCHED, State.RUNNING}:
                 reservation.settle_partially("cancelled after dispatch")
@@ -660,33 +819,64 @@ def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
     return with_retries(attempt)
 
 
-def fail(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, reason: str, request_sent: str,
-         usage: Usage | None, now: datetime) -> Reservation:
+def fail(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    reason: str,
+    request_sent: str,
+    usage: Usage | None,
+    now: datetime,
+) -> Reservation:
     """A provider call failed. Proof of non-processing releases in full; otherwise settle what was incurred.
 
     ``request_sent`` is RequestSent.NO only with proof (connection refused before any byte was sent).
     """
+
     def attempt() -> Reservation:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
             account_ids = _held_account_ids(reservation)
             if reservation.state == State.RESERVED:
-                _transition_settle(reservation, reservation.release_undispatched, account_ids,
-                                   reason=f"failed before dispatch: {reason}", now=now,
-                                   release_input=reservation.input_reserved)
+                _transition_settle(
+                    reservation,
+                    reservation.release_undispatched,
+                    account_ids,
+                    reason=f"failed before dispatch: {reason}",
+                    now=now,
+                    release_input=reservation.input_reserved,
+                )
             elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
-                _transition_settle(reservation, reservation.release_unprocessed, account_ids,
-                                   reason=f"never processed: {reason}", now=now,
-                                   refund_input=reservation.input_consumed)
+                _transition_settle(
+                    reservation,
+                    reservation.release_unprocessed,
+                    account_ids,
+                    reason=f"never processed: {reason}",
+                    now=now,
+                    refund_input=reservation.input_consumed,
+                )
             elif reservation.state in {State.DISPATCHED, State.RUNNING}:
-                if usage is not None and not UsageEvent.objects.filter(
-                        reservation=reservation, usage_event_id=usage.usage_event_id).exists():
-                    _capture(reservation, account_ids, usage_event_id=usage.usage_event_id,
-                             output_tokens=usage.output_tokens, input_tokens=usage.input_tokens, final=False,
-                             now=now)
+                if (
+                    usage is not None
+                    and not UsageEvent.objects.filter(
+                        reservation=reservation, usage_event_id=usage.usage_event_id
+                    ).exists()
+                ):
+                    _capture(
+                        reservation,
+                        account_ids,
+                        usage_event_id=usage.usage_event_id,
+                        output_tokens=usage.output_tokens,
+                        input_tokens=usage.input_tokens,
+                        final=False,
+                        now=now,
+                    )
                 reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
-            elif reservation.state in {State.PARTIALLY_SETTLED, State.SETTLED} and reservation.failure_reason.startswith(
-                    ("failed", "never processed")):
+            elif reservation.state in {
+                State.PARTIALLY_SETTLED,
+                State.SETTLED,
+            } and reservation.failure_reason.startswith(("failed", "never processed")):
                 return reservation
             else:
                 raise _refuse(reservation, "fail")
@@ -710,8 +900,9 @@ def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: 
         return reservation
 
 
-def record_outcome(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], task_success: bool,
-                   cited_evidence_ids: list[str]) -> Reservation:
+def record_outcome(
+    *, reservation_id: uuid.UUID, tenant_ids: Iterable[int], task_success: bool, cited_evidence_ids: list[str]
+) -> Reservation:
     """Store the caller's quality report for the metrics (success, evidence cited)."""
     with transaction.atomic(durable=True):
         reservation = locks.lock_reservation(reservation_id, tenant_ids)
@@ -739,7 +930,7 @@ __all__ = [
 ]
 
 
-# --- reclamation and reconciliation ---------------------------------------------------------------------------
+# --- reclamation and reconciliation ----------------------------------------------------------------------
 
 RECLAIMABLE = [State.RESERVED, State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED]
 
@@ -771,16 +962,27 @@ def claim_expired_leases(*, now: datetime, limit: int = 100) -> tuple[list[uuid.
             reservation.fence += 1
             account_ids = _held_account_ids(reservation)
             if reservation.state == State.RESERVED and reservation.dispatched_at is None:
-                _transition_settle(reservation, reservation.release_undispatched, account_ids,
-                                   reason="lease expired with no dispatch record", now=now,
-                                   release_input=reservation.input_reserved)
+                _transition_settle(
+                    reservation,
+                    reservation.release_undispatched,
+                    account_ids,
+                    reason="lease expired with no dispatch record",
+                    now=now,
+                    release_input=reservation.input_reserved,
+                )
                 reservation.failure_reason = "lease expired before dispatch"
                 released.append(reservation.pk)
             else:
                 reservation.freeze_unknown()
                 reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
-                claims.append(Claim(reservation.pk, reservation.fence, reservation.provider_request_id,
-                                    reservation.model_pool_id))
+                claims.append(
+                    Claim(
+                        reservation.pk,
+                        reservation.fence,
+                        reservation.provider_request_id,
+                        reservation.model_pool_id,
+                    )
+                )
             reservation.save()
     return released, claims
 
@@ -796,8 +998,14 @@ def claim_reconciling(*, limit: int = 100, min_age_seconds: int = 0) -> list[Cla
             reservation.fence += 1
             reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
             reservation.save(update_fields=["fence", "lease_expires_at", "updated_at"])
-            claims.append(Claim(reservation.pk, reservation.fence, reservation.provider_request_id,
-                                reservation.model_pool_id))
+            claims.append(
+                Claim(
+                    reservation.pk,
+                    reservation.fence,
+                    reservation.provider_request_id,
+                    reservation.model_pool_id,
+                )
+            )
         return claims
 
 
@@ -816,14 +1024,16 @@ class Evidence:
     source: str = "provider lookup"
 
 
-def settle_from_evidence(*, reservation_id: uuid.UUID, fence: int | None, evidence: Evidence, now: datetime
-                         ) -> Reservation | None:
+def settle_from_evidence(
+    *, reservation_id: uuid.UUID, fence: int | None, evidence: Evidence, now: datetime
+) -> Reservation | None:
     """Settle a dispatched reservation from authoritative evidence: post billed usage and release the rest
     (outcome RECONCILED), or release in full with input refunded when it was never processed (RELEASED).
 
     ``fence`` is the claimer's fence (None for billing imports, which are authoritative whoever holds the
     lease). Returns None when the reservation is already settled or the fence moved on (another reclaimer).
     """
+
     def attempt() -> Reservation | None:
         with transaction.atomic(durable=True):
             reservation = locks.lock_reservation(reservation_id)
@@ -833,43 +1043,80 @@ def settle_from_evidence(*, reservation_id: uuid.UUID, fence: int | None, eviden
                 return None
             account_ids = _held_account_ids(reservation)
             if evidence.kind == EvidenceKind.NOT_PROCESSED:
-                transition = (reservation.reconcile_unprocessed if reservation.state == State.RECONCILING
-                              else reservation.release_unprocessed)
+                transition = (
+                    reservation.reconcile_unprocessed
+                    if reservation.state == State.RECONCILING
+                    else reservation.release_unprocessed
+                )
                 if reservation.captured or reservation.overrun:
                     # Usage was reported for it, so "never processed" contradicts our own record: keep it.
-                    logger.error("reservation %s: not-processed evidence contradicts captured usage", reservation.pk)
+                    logger.error(
+                        "reservation %s: not-processed evidence contradicts captured usage", reservation.pk
+                    )
                     return None
-                _transition_settle(reservation, transition, account_ids, now=now,
-                                   reason=f"{evidence.source}: never processed",
-                                   refund_input=reservation.input_consumed)
+                _transition_settle(
+                    reservation,
+                    transition,
+                    account_ids,
+                    now=now,
+                    reason=f"{evidence.source}: never processed",
+                    refund_input=reservation.input_consumed,
+                )
             else:
                 _post_billed(reservation, account_ids, evidence, now=now)
-                _transition_settle(reservation, reservation.reconcile, account_ids, now=now,
-                                   reason=f"{evidence.source}: settled at billed usage")
+                _transition_settle(
+                    reservation,
+                    reservation.reconcile,
+                    account_ids,
+                    now=now,
+                    reason=f"{evidence.source}: settled at billed usage",
+                )
             reservation.save()
             return reservation
 
     return with_retries(attempt)
 
 
-def _post_billed(reservation: Reservation, account_ids: list[int], evidence: Evidence, *, now: datetime) -> None:
+def _post_billed(
+    reservation: Reservation, account_ids: list[int], evidence: Evidence, *, now: datetime
+) -> None:
     """Bring captured output and consumed input to what was billed, with correcting entries."""
     recorded = reservation.captured + reservation.overrun
     delta = evidence.output_tokens - recorded
     if delta > 0:
-        _capture(reservation, account_ids, usage_event_id=f"reconcile:{evidence.source}:{now.isoformat()}",
-                 output_tokens=delta, input_tokens=None, final=False, now=now)
+        _capture(
+            reservation,
+            account_ids,
+            usage_event_id=f"reconcile:{evidence.source}:{now.isoformat()}",
+            output_tokens=delta,
+            input_tokens=None,
+            final=False,
+            now=now,
+        )
     elif delta < 0:
         over_back = min(-delta, reservation.overrun)
         captured_back = -delta - over_back
         reservation.overrun -= over_back
         reservation.captured -= captured_back
         reservation.remaining += captured_back
-        _apply(reservation, account_ids, EntryKind.CORRECTION, output_consumed=delta, output_reserved=captured_back,
-               reason=f"{evidence.source}: billed {evidence.output_tokens} output, we had {recorded}", now=now)
+        _apply(
+            reservation,
+            account_ids,
+            EntryKind.CORRECTION,
+            output_consumed=delta,
+            output_reserved=captured_back,
+            reason=f"{evidence.source}: billed {evidence.output_tokens} output, we had {recorded}",
+            now=now,
+        )
     if evidence.input_tokens != reservation.input_consumed:
         diff = evidence.input_tokens - reservation.input_consumed
         reservation.input_consumed = evidence.input_tokens
         reservation.input_reported = evidence.input_tokens
-        _apply(reservation, account_ids, EntryKind.CORRECTION, input_consumed=diff,
-               reason=f"{evidence.source}: billed {evidence.input_tokens} input", now=now)
+        _apply(
+            reservation,
+            account_ids,
+            EntryKind.CORRECTION,
+            input_consumed=diff,
+            reason=f"{evidence.source}: billed {evidence.input_tokens} input",
+            now=now,
+        )

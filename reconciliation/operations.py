@@ -17,8 +17,13 @@ logger = logging.getLogger(__name__)
 
 def reclaim(*, now: datetime) -> dict[str, int]:
     report = services.reclaim_expired_leases(now=now)
-    return {"released": report.released, "frozen": report.frozen, "settled": report.settled,
-            "refunded": report.refunded, "stillUnknown": report.still_unknown}
+    return {
+        "released": report.released,
+        "frozen": report.frozen,
+        "settled": report.settled,
+        "refunded": report.refunded,
+        "stillUnknown": report.still_unknown,
+    }
 
 
 def lookup(*, now: datetime) -> dict[str, int]:
@@ -29,8 +34,11 @@ def lookup(*, now: datetime) -> dict[str, int]:
 def admit_queue(*, now: datetime, limit: int = 200) -> dict[str, int]:
     """Admit queued requests in arrival order while capacity allows; reject those past their deadline."""
     admitted = rejected = 0
-    ids = list(Reservation.objects.filter(state=State.PROPOSED).order_by("created_at").values_list("pk", flat=True)
-               [:limit])
+    ids = list(
+        Reservation.objects.filter(state=State.PROPOSED)
+        .order_by("created_at")
+        .values_list("pk", flat=True)[:limit]
+    )
     for reservation_id in ids:
         result = ledger.admit_queued(reservation_id=reservation_id, build_body=queued_body, now=now)
         if result is None:
@@ -46,8 +54,12 @@ def audit(*, now: datetime) -> dict[str, int]:
     report = selectors.audit(now=now)
     for line in report.violations + report.leaks:
         logger.error("ledger audit: %s", line)
-    return {"accounts": report.accounts_checked, "reservations": report.reservations_checked,
-            "violations": len(report.violations), "leaks": len(report.leaks)}
+    return {
+        "accounts": report.accounts_checked,
+        "reservations": report.reservations_checked,
+        "violations": len(report.violations),
+        "leaks": len(report.leaks),
+    }
 
 
 def roll_periods(*, now: datetime) -> dict[str, int]:

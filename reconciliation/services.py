@@ -47,14 +47,17 @@ def _resolve(claims: list[ledger.Claim], lookup_for: LookupFor, now: datetime, r
             report.still_unknown += 1
             continue
         if result.status == LookupStatus.COMPLETED:
-            evidence = ledger.Evidence(ledger.EvidenceKind.COMPLETED, result.input_tokens, result.output_tokens)
+            evidence = ledger.Evidence(
+                ledger.EvidenceKind.COMPLETED, result.input_tokens, result.output_tokens
+            )
         elif result.status == LookupStatus.NOT_PROCESSED:
             evidence = ledger.Evidence(ledger.EvidenceKind.NOT_PROCESSED)
         else:
             report.still_unknown += 1
             continue
-        settled = ledger.settle_from_evidence(reservation_id=claim.reservation_id, fence=claim.fence,
-                                              evidence=evidence, now=now)
+        settled = ledger.settle_from_evidence(
+            reservation_id=claim.reservation_id, fence=claim.fence, evidence=evidence, now=now
+        )
         if settled is None:
             report.details.append(f"{claim.reservation_id}: fence moved on or already settled")
         elif evidence.kind == ledger.EvidenceKind.NOT_PROCESSED:
@@ -63,8 +66,9 @@ def _resolve(claims: list[ledger.Claim], lookup_for: LookupFor, now: datetime, r
             report.settled += 1
 
 
-def reclaim_expired_leases(*, now: datetime, lookup_for: LookupFor = lookup_for_pool, limit: int = 100
-                           ) -> ReclaimReport:
+def reclaim_expired_leases(
+    *, now: datetime, lookup_for: LookupFor = lookup_for_pool, limit: int = 100
+) -> ReclaimReport:
     """Take over expired leases and resolve what the provider can prove; everything else stays RECONCILING."""
     report = ReclaimReport()
     released, claims = ledger.claim_expired_leases(now=now, limit=limit)
@@ -74,8 +78,9 @@ def reclaim_expired_leases(*, now: datetime, lookup_for: LookupFor = lookup_for_
     return report
 
 
-def lookup_unknown_outcomes(*, now: datetime, lookup_for: LookupFor = lookup_for_pool, limit: int = 100
-                            ) -> ReclaimReport:
+def lookup_unknown_outcomes(
+    *, now: datetime, lookup_for: LookupFor = lookup_for_pool, limit: int = 100
+) -> ReclaimReport:
     """Retry provider lookups for RECONCILING reservations whose previous claim lease ran out."""
     report = ReclaimReport()
     _resolve(ledger.claim_reconciling(limit=limit), lookup_for, now, report)

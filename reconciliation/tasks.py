@@ -13,8 +13,12 @@ from reconciliation import operations
 
 logger = logging.getLogger(__name__)
 
-TASK_OPTIONS: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True, "time_limit": 120,
-                                "soft_time_limit": 100}
+TASK_OPTIONS: dict[str, Any] = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "time_limit": 120,
+    "soft_time_limit": 100,
+}
 
 
 @shared_task(name="reconciliation.reclaim_expired_leases", **TASK_OPTIONS)

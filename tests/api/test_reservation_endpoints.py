@@ -38,8 +38,11 @@ def url(r: Reservation, action: str = "") -> str:
 
 
 def snapshot() -> tuple[int, int, list[tuple[str, int]]]:
-    return (LedgerEntry.objects.count(), UsageEvent.objects.count(),
-            sorted((str(r.pk) + r.state, r.captured) for r in Reservation.objects.all()))
+    return (
+        LedgerEntry.objects.count(),
+        UsageEvent.objects.count(),
+        sorted((str(r.pk) + r.state, r.captured) for r in Reservation.objects.all()),
+    )
 
 
 def test_gateway_protocol_admit_dispatch_usage_final(world):
@@ -47,19 +50,32 @@ def test_gateway_protocol_admit_dispatch_usage_final(world):
     got = api.get(url(r))
     assert got.status_code == 200
     assert got.json()["state"] == "RESERVED"
-    d = post(api, url(r, "dispatch"), {"fence": 1, "providerRequestId": "prov-1", "admittedDigest": r.admitted_digest})
+    d = post(
+        api,
+        url(r, "dispatch"),
+        {"fence": 1, "providerRequestId": "prov-1", "admittedDigest": r.admitted_digest},
+    )
     assert d.status_code == 200, d.json()
     assert d.json()["state"] == "DISPATCHED"
     u = post(api, url(r, "usage"), {"fence": 1, "usageEventId": "e1", "outputTokens": 5, "final": False})
     assert u.json()["state"] == "RUNNING"
     again = post(api, url(r, "usage"), {"fence": 1, "usageEventId": "e1", "outputTokens": 5, "final": False})
     assert again.json()["applied"] is False
-    f = post(api, url(r, "usage"), {"fence": 1, "usageEventId": "e2", "outputTokens": 3, "final": True,
-                                    "inputTokens": 100})
+    f = post(
+        api,
+        url(r, "usage"),
+        {"fence": 1, "usageEventId": "e2", "outputTokens": 3, "final": True, "inputTokens": 100},
+    )
     body = f.json()
     assert (body["state"], body["outcome"]) == ("SETTLED", "COMPLETED")
-    assert body["output"] == {"reserved": 50, "topUps": 0, "captured": 8, "remaining": 0, "released": 42,
-                              "overrun": 0}
+    assert body["output"] == {
+        "reserved": 50,
+        "topUps": 0,
+        "captured": 8,
+        "remaining": 0,
+        "released": 42,
+        "overrun": 0,
+    }
     assert len(body["usageEvents"]) == 2
     assert {e["kind"] for e in body["ledgerEntries"]} >= {"HOLD", "POST", "RELEASE"}
 
@@ -87,30 +103,85 @@ def test_unauthenticated_is_401_problem():
 
 BAD_USAGE = [
     ("malformed", '{"fence": 1,', 400, "MALFORMED_JSON"),
-    ("duplicate key", '{"fence": 1, "fence": 1, "usageEventId": "e", "outputTokens": 1, "final": false}', 400,
-     "DUPLICATE_KEY"),
-    ("NaN", '{"fence": 1, "usageEventId": "e", "outputTokens": NaN, "final": false}', 400, "NON_FINITE_NUMBER"),
-    ("Infinity", '{"fence": 1, "usageEventId": "e", "outputTokens": Infinity, "final": false}', 400,
-     "NON_FINITE_NUMBER"),
-    ("beyond 2^53", '{"fence": 1, "usageEventId": "e", "outputTokens": 9007199254740993, "final": false}', 400,
-     "INTEGER_OUT_OF_RANGE"),
+    (
+        "duplicate key",
+        '{"fence": 1, "fence": 1, "usageEventId": "e", "outputTokens": 1, "final": false}',
+        400,
+        "DUPLICATE_KEY",
+    ),
+    (
+        "NaN",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": NaN, "final": false}',
+        400,
+        "NON_FINITE_NUMBER",
+    ),
+    (
+        "Infinity",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": Infinity, "final": false}',
+        400,
+        "NON_FINITE_NUMBER",
+    ),
+    (
+        "beyond 2^53",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": 9007199254740993, "final": false}',
+        400,
+        "INTEGER_OUT_OF_RANGE",
+    ),
     ("negative", {"fence": 1, "usageEventId": "e", "outputTokens": -1, "final": False}, 400, "INVALID_INPUT"),
-    ("absurd", {"fence": 1, "usageEventId": "e", "outputTokens": 10**12, "final": False}, 400, "INVALID_INPUT"),
-    ("string for int", {"fence": 1, "usageEventId": "e", "outputTokens": "5", "final": False}, 400, "INVALID_INPUT"),
-    ("true for int", {"fence": 1, "usageEventId": "e", "outputTokens": True, "final": False}, 400, "INVALID_INPUT"),
-    ("float for int", {"fence": 1, "usageEventId": "e", "outputTokens": 1.5, "final": False}, 400, "INVALID_INPUT"),
+    (
+        "absurd",
+        {"fence": 1, "usageEventId": "e", "outputTokens": 10**12, "final": False},
+        400,
+        "INVALID_INPUT",
+    ),
+    (
+        "string for int",
+        {"fence": 1, "usageEventId": "e", "outputTokens": "5", "final": False},
+        400,
+        "INVALID_INPUT",
+    ),
+    (
+        "true for int",
+        {"fence": 1, "usageEventId": "e", "outputTokens": True, "final": False},
+        400,
+        "INVALID_INPUT",
+    ),
+    (
+        "float for int",
+        {"fence": 1, "usageEventId": "e", "outputTokens": 1.5, "final": False},
+        400,
+        "INVALID_INPUT",
+    ),
     ("int for bool", {"fence": 1, "usageEventId": "e", "outputTokens": 1, "final": 0}, 400, "INVALID_INPUT"),
-    ("unknown field", {"fence": 1, "usageEventId": "e", "outputTokens": 1, "final": False, "x": 1}, 400,
-     "INVALID_INPUT"),
+    (
+        "unknown field",
+        {"fence": 1, "usageEventId": "e", "outputTokens": 1, "final": False, "x": 1},
+        400,
+        "INVALID_INPUT",
+    ),
     ("missing field", {"fence": 1, "usageEventId": "e", "final": False}, 400, "INVALID_INPUT"),
-    ("lone surrogate", '{"fence": 1, "usageEventId": "\\ud800", "outputTokens": 1, "final": false}', 400,
-     "INVALID_STRING"),
-    ("NUL", '{"fence": 1, "usageEventId": "a\\u0000b", "outputTokens": 1, "final": false}', 400, "INVALID_STRING"),
+    (
+        "lone surrogate",
+        '{"fence": 1, "usageEventId": "\\ud800", "outputTokens": 1, "final": false}',
+        400,
+        "INVALID_STRING",
+    ),
+    (
+        "NUL",
+        '{"fence": 1, "usageEventId": "a\\u0000b", "outputTokens": 1, "final": false}',
+        400,
+        "INVALID_STRING",
+    ),
     ("deep nesting", '{"fence": 1, "x": ' + "[" * 100 + "]" * 100 + "}", 400, "NESTING_TOO_DEEP"),
     ("array body", "[1, 2]", 400, "INVALID_INPUT"),
     ("not UTF-8", b'{"fence": 1, "usageEventId": "\xff"}', 400, "MALFORMED_JSON"),
     ("empty body: every field missing", "", 400, "INVALID_INPUT"),
-    ("fence zero", {"fence": 0, "usageEventId": "e", "outputTokens": 1, "final": False}, 400, "INVALID_INPUT"),
+    (
+        "fence zero",
+        {"fence": 0, "usageEventId": "e", "outputTokens": 1, "final": False},
+        400,
+        "INVALID_INPUT",
+    ),
 ]
 
 
@@ -154,7 +225,11 @@ def test_stale_fence_and_out_of_order_calls_are_409(world):
 
 def test_payload_changed_on_dispatch(world):
     api, _, r = world
-    res = post(api, url(r, "dispatch"), {"fence": 1, "providerRequestId": "p", "admittedDigest": "sha256:" + "0" * 64})
+    res = post(
+        api,
+        url(r, "dispatch"),
+        {"fence": 1, "providerRequestId": "p", "admittedDigest": "sha256:" + "0" * 64},
+    )
     assert (res.status_code, res.json()["code"]) == (409, "PAYLOAD_CHANGED")
     assert Reservation.objects.get(pk=r.pk).state == State.RESERVED
 
@@ -162,7 +237,12 @@ def test_payload_changed_on_dispatch(world):
 def test_fail_cancel_lease_outcome_topup(world):
     api, _, r = world
     assert post(api, url(r, "lease"), {"fence": 1}).status_code == 200
-    assert post(api, url(r, "top-up"), {"fence": 1, "topUpId": "t1", "outputTokens": 10}).json()["output"]["topUps"] == 10
+    assert (
+        post(api, url(r, "top-up"), {"fence": 1, "topUpId": "t1", "outputTokens": 10}).json()["output"][
+            "topUps"
+        ]
+        == 10
+    )
     post(api, url(r, "dispatch"), {"fence": 1, "providerRequestId": "p", "admittedDigest": r.admitted_digest})
     res = post(api, url(r, "fail"), {"fence": 1, "reason": "connect refused", "requestSent": False})
     assert (res.json()["state"], res.json()["outcome"]) == ("SETTLED", "RELEASED")

@@ -51,14 +51,32 @@ def pool_account(cat: Catalog, **limits: Any) -> CapacityAccount:
     return AccountFactory(scope=Scope.POOL, pool=cat.pool, **limits)
 
 
-def spec(cat: Catalog, *, key: str | None = None, input_tokens: int = 100, output_tokens: int = 50,
-         digest: str = DIGEST, queue: bool = False) -> services.AdmissionSpec:
+def spec(
+    cat: Catalog,
+    *,
+    key: str | None = None,
+    input_tokens: int = 100,
+    output_tokens: int = 50,
+    digest: str = DIGEST,
+    queue: bool = False,
+) -> services.AdmissionSpec:
     key = key or uuid.uuid4().hex
     return services.AdmissionSpec(
-        tenant=cat.tenant, task_class=cat.task_class, pool=cat.pool, model_revision=cat.model,
-        request_id=f"req-{key}", idempotency_key=key, rendered_digest=digest, admitted_digest=digest,
-        input_tokens=input_tokens, output_tokens=output_tokens, policy_revision=None, rung="FULL",
-        manifest_id=None, queue=queue, request_body={"k": key} if queue else None,
+        tenant=cat.tenant,
+        task_class=cat.task_class,
+        pool=cat.pool,
+        model_revision=cat.model,
+        request_id=f"req-{key}",
+        idempotency_key=key,
+        rendered_digest=digest,
+        admitted_digest=digest,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        policy_revision=None,
+        rung="FULL",
+        manifest_id=None,
+        queue=queue,
+        request_body={"k": key} if queue else None,
     )
 
 
@@ -83,7 +101,7 @@ def run_concurrently(workers: int, task: Callable[[int], Any]) -> list[Any]:
         try:
             barrier.wait()
             results[i] = task(i)
-        except Exception as exc:  # noqa: BLE001 - the test inspects every outcome
+        except Exception as exc:
             results[i] = exc
         finally:
             connection.close()

@@ -112,7 +112,9 @@ def test_first_request_creating_a_brand_new_account_from_many_threads():
     results = run_concurrently(THREADS, lambda i: admit(spec(cat, input_tokens=100, output_tokens=1)))
     admitted, quota, other = _outcomes(results)
     assert other == []
-    accounts = CapacityAccount.objects.filter(scope=Scope.TENANT_TASK, tenant=cat.tenant, task_class=cat.task_class)
+    accounts = CapacityAccount.objects.filter(
+        scope=Scope.TENANT_TASK, tenant=cat.tenant, task_class=cat.task_class
+    )
     assert accounts.count() == 1
     assert (admitted, quota) == (10, THREADS - 10)
     assert accounts.get().input_reserved == 1000
@@ -123,7 +125,7 @@ def test_concurrency_limit_is_exact():
     cat = catalog()
     account = tenant_account(cat, concurrency_limit=7)
     results = run_concurrently(THREADS, lambda i: admit(spec(cat)))
-    admitted, quota, other = _outcomes(results)
+    admitted, _, other = _outcomes(results)
     assert other == []
     assert admitted == 7
     account.refresh_from_db()
@@ -140,7 +142,9 @@ def _naive_reserve(account_id: int, n: int) -> bool:
             return False
         time.sleep(0.01)  # the window every real server has between its read and its write
         CapacityAccount.objects.filter(pk=account_id).update(input_reserved=account.input_reserved + n)
-        LedgerEntry.objects.create(account=account, kind="HOLD", input_reserved=n, period_start=account.period_start)
+        LedgerEntry.objects.create(
+            account=account, kind="HOLD", input_reserved=n, period_start=account.period_start
+        )
         return True
 
 

@@ -32,20 +32,44 @@ def reserved(cat: Any, **kw: Any) -> Reservation:
 
 def dispatched(cat: Any) -> Reservation:
     r = reserved(cat)
-    return services.dispatch(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, provider_request_id=f"p-{r.pk}",
-                             admitted_digest=r.admitted_digest, now=now())
+    return services.dispatch(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        provider_request_id=f"p-{r.pk}",
+        admitted_digest=r.admitted_digest,
+        now=now(),
+    )
 
 
-def usage(cat: Any, r: Reservation, event: str, out: int, *, final: bool = False, inp: int | None = None,
-          fence: int = 1) -> tuple[Reservation, bool]:
-    return services.record_usage(reservation_id=r.pk, tenant_ids=_tids(cat), fence=fence,
-                                 usage=services.Usage(event, out, inp, final), now=now())
+def usage(
+    cat: Any,
+    r: Reservation,
+    event: str,
+    out: int,
+    *,
+    final: bool = False,
+    inp: int | None = None,
+    fence: int = 1,
+) -> tuple[Reservation, bool]:
+    return services.record_usage(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=fence,
+        usage=services.Usage(event, out, inp, final),
+        now=now(),
+    )
 
 
 def balances(account: CapacityAccount) -> tuple[int, int, int, int, int]:
     account.refresh_from_db()
-    return (account.input_reserved, account.output_reserved, account.input_consumed, account.output_consumed,
-            account.in_flight)
+    return (
+        account.input_reserved,
+        account.output_reserved,
+        account.input_consumed,
+        account.output_consumed,
+        account.in_flight,
+    )
 
 
 def test_admit_holds_on_every_account(setup):
@@ -72,8 +96,14 @@ def test_dispatch_posts_input_and_repeats_as_no_op(setup):
     r = dispatched(cat)
     assert r.state == State.DISPATCHED
     assert balances(t) == (0, 50, 100, 0, 1)
-    again = services.dispatch(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1,
-                              provider_request_id=r.provider_request_id, admitted_digest=r.admitted_digest, now=now())
+    again = services.dispatch(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        provider_request_id=r.provider_request_id,
+        admitted_digest=r.admitted_digest,
+        now=now(),
+    )
     assert again.state == State.DISPATCHED
     assert balances(t) == (0, 50, 100, 0, 1)
 
@@ -82,8 +112,14 @@ def test_dispatch_with_another_digest_is_payload_changed(setup):
     cat, t, _ = setup
     r = reserved(cat)
     with pytest.raises(services.PayloadChanged):
-        services.dispatch(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, provider_request_id="p",
-                          admitted_digest="sha256:" + "b" * 64, now=now())
+        services.dispatch(
+            reservation_id=r.pk,
+            tenant_ids=_tids(cat),
+            fence=1,
+            provider_request_id="p",
+            admitted_digest="sha256:" + "b" * 64,
+            now=now(),
+        )
     assert Reservation.objects.get(pk=r.pk).state == State.RESERVED
     assert balances(t) == (100, 50, 0, 0, 1)
 
@@ -120,7 +156,7 @@ def test_usage_replayed_100_times_sequentially_is_captured_once(setup):
 
 
 def test_usage_replayed_concurrently_is_captured_once(setup):
-    cat, t, _ = setup
+    cat, _, _ = setup
     r = dispatched(cat)
     results = run_concurrently(40, lambda i: usage(cat, r, "same", 7)[1])
     assert results.count(True) == 1, results
@@ -131,7 +167,7 @@ def test_usage_replayed_concurrently_is_captured_once(setup):
 
 
 def test_same_event_id_with_other_amounts_conflicts_and_changes_nothing(setup):
-    cat, t, _ = setup
+    cat, _, _ = setup
     r = dispatched(cat)
     usage(cat, r, "e1", 7)
     with pytest.raises(services.UsageEventConflict):
@@ -187,8 +223,15 @@ def test_cancel_after_dispatch_settles_consumed_and_keeps_rest_held(setup):
 def test_failure_with_proof_of_non_processing_releases_and_refunds(setup):
     cat, t, _ = setup
     r = dispatched(cat)
-    r = services.fail(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, reason="connection refused",
-                      request_sent=services.RequestSent.NO, usage=None, now=now())
+    r = services.fail(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        reason="connection refused",
+        request_sent=services.RequestSent.NO,
+        usage=None,
+        now=now(),
+    )
     assert (r.state, r.outcome, r.input_consumed) == (State.SETTLED, Outcome.RELEASED, 0)
     assert balances(t) == (0, 0, 0, 0, 0)
     assert audit().ok
@@ -198,8 +241,15 @@ def test_failure_with_proof_of_non_processing_releases_and_refunds(setup):
 def test_failure_without_proof_keeps_everything_held(setup, sent):
     cat, t, _ = setup
     r = dispatched(cat)
-    r = services.fail(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, reason="timeout", request_sent=sent,
-                      usage=services.Usage("fail-usage", 4, None, False), now=now())
+    r = services.fail(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        reason="timeout",
+        request_sent=sent,
+        usage=services.Usage("fail-usage", 4, None, False),
+        now=now(),
+    )
     assert r.state == State.PARTIALLY_SETTLED
     assert (r.captured, r.remaining) == (4, 46)
     assert balances(t) == (0, 46, 100, 4, 1), "unknown is never released as zero"
@@ -208,8 +258,15 @@ def test_failure_without_proof_keeps_everything_held(setup, sent):
 def test_failure_before_dispatch_releases(setup):
     cat, t, _ = setup
     r = reserved(cat)
-    r = services.fail(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, reason="gateway crashed",
-                      request_sent=services.RequestSent.UNKNOWN, usage=None, now=now())
+    r = services.fail(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        reason="gateway crashed",
+        request_sent=services.RequestSent.UNKNOWN,
+        usage=None,
+        now=now(),
+    )
     assert (r.state, r.outcome) == (State.SETTLED, Outcome.RELEASED)
     assert balances(t) == (0, 0, 0, 0, 0)
 
@@ -217,9 +274,12 @@ def test_failure_before_dispatch_releases(setup):
 def test_top_up_extends_and_is_idempotent(setup):
     cat, t, _ = setup
     r = dispatched(cat)
-    services.top_up(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="u1", output_tokens=30, now=now())
-    r2, applied = services.top_up(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="u1",
-                                  output_tokens=30, now=now())
+    services.top_up(
+        reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="u1", output_tokens=30, now=now()
+    )
+    r2, applied = services.top_up(
+        reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="u1", output_tokens=30, now=now()
+    )
     assert not applied
     assert (r2.top_ups, r2.remaining) == (30, 80)
     assert balances(t)[1] == 80
@@ -232,8 +292,14 @@ def test_top_up_beyond_capacity_is_quota_exceeded(setup):
     cat, t, _ = setup
     r = dispatched(cat)
     with pytest.raises(services.QuotaExceeded) as err:
-        services.top_up(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="big",
-                        output_tokens=200_000, now=now())
+        services.top_up(
+            reservation_id=r.pk,
+            tenant_ids=_tids(cat),
+            fence=1,
+            top_up_id="big",
+            output_tokens=200_000,
+            now=now(),
+        )
     assert err.value.extra["dimension"] == "output"
     assert balances(t)[1] == 50
 
@@ -261,11 +327,18 @@ def test_forbidden_transitions_are_refused_and_change_nothing(setup, where, acti
         if action == "usage":
             usage(cat, r, "x", 1)
         elif action == "dispatch":
-            services.dispatch(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, provider_request_id="other",
-                              admitted_digest=r.admitted_digest, now=now())
+            services.dispatch(
+                reservation_id=r.pk,
+                tenant_ids=_tids(cat),
+                fence=1,
+                provider_request_id="other",
+                admitted_digest=r.admitted_digest,
+                now=now(),
+            )
         else:
-            services.top_up(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="t", output_tokens=1,
-                            now=now())
+            services.top_up(
+                reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="t", output_tokens=1, now=now()
+            )
     assert (balances(t), LedgerEntry.objects.count()) == before
 
 
