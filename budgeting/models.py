@@ -243,3 +243,124 @@ class Manifest(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id} {self.decision}/{self.rung}"
+
+
+# --- people's side: audit log, prices, temporary increases, reports ------------------------------------------
+
+
+class ChangeRecord(models.Model):
+    """One privileged change made by a person (or by the system on their behalf): append-only.
+
+    A database trigger refuses UPDATE and DELETE (migration 0003), so the log cannot be edited from the admin
+    or anywhere else.
+    """
+
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    actor = models.ForeignKey("auth.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
+    actor_username = models.CharField(
+        max_length=150, help_text="Kept even if the user is deleted; 'system' for scheduled work."
+    )
+    action = models.CharField(max_length=40, db_index=True)
+    target_type = models.CharField(max_length=60, help_text="app_label.model of the changed object.")
+    target_id = models.CharField(max_length=64)
+    target_repr = models.CharField(max_length=200)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+    reason = models.TextField()
+
+    class Meta:
+        ordering = ["-at", "-id"]
+        default_permissions = ("view",)
+        indexes = [models.Index(fields=["target_type", "target_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M} {self.actor_username} {self.action} {self.target_repr}"
+
+
+class Price(models.Model):
+    """The price of a model revision from ``effective_from`` until the next row's ``effective_from``.
+
+    One row per (model revision, start) makes overlapping periods impossible by construction.
+    """
+
+    model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="prices")
+    effective_from = models.DateTimeField(help_text="UTC; the price applies until the next row starts.")
+    currency = models.CharField(max_length=3, default="USD", help_text="ISO 4217 code.")
+    input_per_million = models.DecimalField(
+        max_digits=14, decimal_places=6, help_text="Price of one million input tokens."
+    )
+    output_per_million = models.DecimalField(
+        max_digits=14, decimal_places=6, help_text="Price of one million output tokens."
+    )
+    note = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model_revision__name", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["model_revision", "effective_from"], name="price_unique_start"),
+            models.CheckConstraint(
+                condition=Q(input_per_million__gte=0) & Q(output_per_million__gte=0),
+                name="price_non_negative",
+            ),
+            models.CheckConstraint(condition=Q(currency__regex=r"^[A-Z]{3}$"), name="price_currency_iso"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model_revision} from {self.effective_from:%Y-%m-%d}"
+
+
+class TemporaryIncrease(models.Model):
+    """Extra limit granted on a capacity account until ``expires_at``.
+
+    Granting adds the amounts to the account's limits; expiry or revocation subtracts them again
+    (``budgeting.admin_services``), so admission keeps reading one limit per dimension.
+    """
+
+    account = models.ForeignKey(
+        "ledger.CapacityAccount", on_delete=models.PROTECT, related_name="temporary_increases"
+    )
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    concurrency = models.IntegerField(default=0)
+    starts_at = models.DateTimeField()
+    expires_at = models.DateTimeField()
+    reason = models.TextField()
+    created_by = models.CharField(max_length=150)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    end_reason = models.CharField(max_length=300, blank=True)
+
+    class Meta:
+        ordering = ["-starts_at"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(input_tokens__gte=0) & Q(output_tokens__gte=0) & Q(concurrency__gte=0),
+                name="temporary_increase_non_negative",
+            ),
+            models.CheckConstraint(
+                condition=Q(input_tokens__gt=0) | Q(output_tokens__gt=0) | Q(concurrency__gt=0),
+                name="temporary_increase_not_empty",
+            ),
+            models.CheckConstraint(
+                condition=Q(expires_at__gt=models.F("starts_at")), name="temporary_increase_expires_later"
+            ),
+        ]
+        indexes = [models.Index(fields=["ended_at", "expires_at"])]
+
+    def __str__(self) -> str:
+        return (
+            f"+{self.input_tokens}/{self.output_tokens}/{self.concurrency} until {self.expires_at:%Y-%m-%d}"
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.ended_at is None
+
+
+class UsageReport(Manifest):
+    """The analysts' report page: a proxy so it gets its own admin entry and view permission."""
+
+    class Meta:
+        proxy = True
+        default_permissions = ("view",)
+        verbose_name = "usage report"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 MAX_TOKENS = 10_000_000
@@ -31,12 +32,19 @@ class StrictString(serializers.CharField):
         return super().to_internal_value(data)
 
 
+class StrictRegex(serializers.RegexField):
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 def tokens(**kwargs: Any) -> StrictInteger:
     return StrictInteger(min_value=0, max_value=MAX_TOKENS, **kwargs)
 
 
-def identifier(**kwargs: Any) -> serializers.RegexField:
-    return serializers.RegexField(ID_PATTERN, max_length=200, **kwargs)
+def identifier(**kwargs: Any) -> StrictRegex:
+    return StrictRegex(ID_PATTERN, max_length=200, **kwargs)
 
 
 class StrictSerializer(serializers.Serializer):
@@ -58,7 +66,7 @@ class FenceIn(StrictSerializer):
 
 class DispatchIn(FenceIn):
     providerRequestId = identifier()
-    admittedDigest = serializers.RegexField(r"^sha256:[0-9a-f]{64}$")
+    admittedDigest = StrictRegex(r"^sha256:[0-9a-f]{64}$")
 
 
 class UsageIn(FenceIn):
@@ -73,6 +81,7 @@ class TopUpIn(FenceIn):
     outputTokens = StrictInteger(min_value=1, max_value=MAX_TOKENS)
 
 
+@extend_schema_field({"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["unknown"]}]})
 class RequestSentField(serializers.Field):
     """``requestSent``: true, false or "unknown"."""
 
@@ -118,8 +127,8 @@ class AdmissionIn(StrictSerializer):
     taskClass = identifier()
     modelPool = identifier()
     modelRevision = identifier()
-    tokenizerDigest = serializers.RegexField(r"^sha256:[0-9a-f]{64}$", required=False)
-    promptBundleDigest = serializers.RegexField(r"^sha256:[0-9a-f]{1,64}$", required=False)
+    tokenizerDigest = StrictRegex(r"^sha256:[0-9a-f]{64}$", required=False)
+    promptBundleDigest = StrictRegex(r"^sha256:[0-9a-f]{1,64}$", required=False)
     policyRevision = StrictInteger(min_value=1, max_value=2**31 - 1, required=False)
     components = serializers.DictField()
     maxOutput = StrictInteger(min_value=1, max_value=MAX_TOKENS)

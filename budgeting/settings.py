@@ -185,6 +185,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "budgeting.openapi.forbid_additional_request_properties",
+    ],
 }
 
 CELERY_BROKER_URL = REDIS_URL

@@ -37,7 +37,10 @@ ProblemOut = inline_serializer(
         "detail": drf_serializers.CharField(),
     },
 )
-ERRORS = {status: ProblemOut for status in (400, 401, 404, 409, 413, 415, 422, 429, 503)}
+ERRORS: dict[Any, Any] = {
+    (status, "application/problem+json"): ProblemOut
+    for status in (400, 401, 404, 409, 413, 415, 422, 429, 503)
+}
 AnyObject = drf_serializers.DictField()
 
 

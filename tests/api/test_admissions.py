@@ -14,7 +14,6 @@ from rest_framework.test import APIClient
 from budgeting.admission import in_ramp
 from budgeting.models import Manifest, Tenant, Tokenizer
 from budgeting.provisioning import apply_config, load_file
-from ladder.counting import TokenizerCounter
 from ladder.templates import Special, Text
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope, State
 
