@@ -16,6 +16,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -45,10 +46,10 @@ class BenchCache:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
 
-    def get_many(self, keys: list[str]) -> list[int | None]:
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
         return [None if v is None else int(v) for v in self.client.mget(["bench:" + k for k in keys])]
 
-    def set_many(self, mapping: dict[str, int]) -> None:
+    def set_many(self, mapping: Mapping[str, int]) -> None:
         pipe = self.client.pipeline(transaction=False)
         for key, value in mapping.items():
             pipe.set("bench:" + key, value, ex=600)

@@ -203,8 +203,10 @@ def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> Problem:
             headers={"Retry-After": "5"},
             manifestId=manifest.pk,
         )
+    problem_code = decision.code if decision.code == "MINIMUM_EVIDENCE_UNAVAILABLE" else None
     return ContextBudgetExceeded(
         decision.detail or "hard buckets plus the minimum evidence set do not fit",
+        code=problem_code,
         reason=decision.code,
         tokens=decision.to_response()["tokens"],
         budget={"input": decision.budget, "maxOutput": decision.max_output},

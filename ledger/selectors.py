@@ -106,16 +106,26 @@ class AuditReport:
         return not self.violations and not self.leaks
 
 
-def audit(now: Any = None) -> AuditReport:
+def audit(
+    now: Any = None, *, account_ids: list[int] | None = None, reservation_ids: list[Any] | None = None
+) -> AuditReport:
     """Check the ledger's invariants: balances equal the sum of their entries (since the last roll-over for
     consumed balances), over-limit holds, the output conservation equation, and leaked holds (a terminal
     reservation that still holds concurrency, or an expired lease on a dispatched call not in RECONCILING)."""
     report = AuditReport()
+    entries = LedgerEntry.objects.all()
+    accounts = CapacityAccount.objects.all()
+    reservations = Reservation.objects.exclude(state__in=[State.PROPOSED])
+    if account_ids is not None:
+        entries = entries.filter(account_id__in=account_ids)
+        accounts = accounts.filter(pk__in=account_ids)
+    if reservation_ids is not None:
+        reservations = reservations.filter(pk__in=reservation_ids)
     sums = {
         row["account_id"]: row
-        for row in LedgerEntry.objects.values("account_id").annotate(**{f: Sum(f) for f in BALANCE_FIELDS})
+        for row in entries.values("account_id").annotate(**{f: Sum(f) for f in BALANCE_FIELDS})
     }
-    for account in CapacityAccount.objects.all():
+    for account in accounts:
         report.accounts_checked += 1
         totals: dict[str, Any] = dict(sums.get(account.pk) or {})
         for name in BALANCE_FIELDS:
@@ -125,7 +135,7 @@ def audit(now: Any = None) -> AuditReport:
                     f"account {account.pk} ({account.label}): {name}={getattr(account, name)} "
                     f"but entries sum to {expected}"
                 )
-    for reservation in Reservation.objects.exclude(state__in=[State.PROPOSED]).iterator():
+    for reservation in reservations.iterator():
         report.reservations_checked += 1
         r = reservation
         if r.captured + r.remaining + r.released != r.output_reserved + r.top_ups:

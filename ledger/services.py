@@ -847,6 +847,7 @@ def fail(
                     now=now,
                     release_input=reservation.input_reserved,
                 )
+                reservation.failure_reason = f"failed before dispatch: {reason}"
             elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
                 _transition_settle(
                     reservation,
@@ -856,6 +857,7 @@ def fail(
                     now=now,
                     refund_input=reservation.input_consumed,
                 )
+                reservation.failure_reason = f"never processed: {reason}"
             elif reservation.state in {State.DISPATCHED, State.RUNNING}:
                 if (
                     usage is not None
@@ -880,7 +882,6 @@ def fail(
                 return reservation
             else:
                 raise _refuse(reservation, "fail")
-            reservation.failure_reason = reservation.failure_reason or reason
             reservation.save()
             return reservation
 

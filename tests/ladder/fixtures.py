@@ -6,7 +6,6 @@ so generated content cannot spell a special token and the whole-stream oracle st
 """
 
 # The fixtures are made of look-alike characters on purpose (fullwidth, ligatures, black-letter).
-# ruff: noqa: RUF001
 
 from __future__ import annotations
 

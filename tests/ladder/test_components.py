@@ -130,9 +130,10 @@ def _deep(depth: int) -> dict[str, Any]:
     return value
 
 
-CASES: list[tuple[str, Mutation, str, str]] = [
+CASES: list[tuple[str, Mutation, str | None, str]] = [
     ("not an object", lambda data: [data], "components", "wrong_type"),
     ("unknown top-level field", _set(("foo",), 1), "components.foo", "unknown_field"),
+    ("unknown odd field", _set(("a b\ud800",), 1), 'components["a b\\ud800"]', "unknown_field"),
     (
         "unknown evidence field",
         _set(("evidence", 0, "rank"), 1),
@@ -231,7 +232,7 @@ CASES: list[tuple[str, Mutation, str, str]] = [
     (
         "surrogate in schema key",
         _set(("outputSchema",), {"\udfff": 1}),
-        "components.outputSchema.\udfff",
+        r'components.outputSchema["\udfff"]',
         "invalid_string",
     ),
     ("duplicate evidence id", _set(("evidence", 1, "id"), "e1"), "components.evidence[1]", "duplicate"),
@@ -342,15 +343,14 @@ CASES: list[tuple[str, Mutation, str, str]] = [
 
 
 @pytest.mark.parametrize(("case", "mutate", "path", "code"), CASES, ids=[case[0] for case in CASES])
-def test_rejects_bad_input_with_its_path(
-    case: str, mutate: Mutation, path: str | None, code: str | None
-) -> None:
+def test_rejects_bad_input_with_its_path(case: str, mutate: Mutation, path: str | None, code: str) -> None:
     data = mutate(copy.deepcopy(_valid()))
     with pytest.raises(ComponentError) as caught:
         parse_components(data, limits=LIMITS)
     if path is not None:
         assert caught.value.path == path
     assert caught.value.code == code
+    caught.value.path.encode("ascii")  # always safe to echo in a problem+json body
 
 
 LIMIT_CASES: list[tuple[Limits, Mutation, str | None, str]] = [

@@ -1,0 +1,348 @@
+"""Token counting of a rendered stream: exact with the model's tokenizer, or a proven upper bound.
+
+A stream's count is the number of its special tokens, plus the count of each text piece, plus the image cost
+of each image (``ladder.templates`` guarantees these add up exactly). Text counts are cached per segment
+under ``tc:{tokenizer digest}:{template revision}:{sha256 of the text}``, so a count made with another
+tokenizer file or another template revision is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from tokenizers import Tokenizer
+
+from ladder.components import canonical_json, sha256_digest
+from ladder.templates import TEMPLATE_BUCKET, TEMPLATE_OBJECT, Image, Piece, Special, check_boundaries
+
+CountMethod = Literal["EXACT", "UPPER_BOUND"]
+ImageFormula = Literal["tiles512", "pixels750"]
+IMAGE_FORMULAS: tuple[ImageFormula, ...] = ("tiles512", "pixels750")
+# Images are scaled down so that their long side is at most this many pixels before the formula applies.
+IMAGE_MAX_SIDE = 2048
+
+
+class CountingUnavailable(Exception):
+    """Counting cannot be done now: tokenizer file missing, unreadable or not the expected one; a timeout."""
+
+
+class SegmentCounter(Protocol):
+    """Counts text segments with one tokenizer (or one approved bound of it)."""
+
+    @property
+    def digest(self) -> str:
+        """Identity of the counting function; part of every cache key."""
+        ...
+
+    @property
+    def method(self) -> CountMethod:
+        """``EXACT`` for a real tokenizer, ``UPPER_BOUND`` for a proven bound."""
+        ...
+
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        """Return the token count of each text, in order. Raises CountingUnavailable."""
+        ...
+
+
+class CountCache(Protocol):
+    """A cache of segment counts (Redis in production)."""
+
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        """Return the cached count of each key, or None where there is none."""
+        ...
+
+    def set_many(self, mapping: Mapping[str, int]) -> None:
+        """Store counts."""
+        ...
+
+
+class MemoryCountCache:
+    """A process-local ``CountCache`` (tests, benchmarks, and the short-lived upper-bound path)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, int] = {}
+
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        """Return the cached count of each key, or None."""
+        data = self.data
+        return [data.get(key) for key in keys]
+
+    def set_many(self, mapping: Mapping[str, int]) -> None:
+        """Store counts."""
+        self.data.update(mapping)
+
+
+# ------------------------------------------------------------------------------------------------ counters
+
+
+def file_digest(data: bytes) -> str:
+    """Return ``'sha256:' + hex`` of a tokenizer file's bytes (its ``tokenizerDigest``)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+_LOCK = threading.Lock()
+# One Tokenizer per file content per process, and the digest of each file version seen (keyed by its stat).
+_BY_DIGEST: dict[str, Tokenizer] = {}
+_DIGEST_BY_STAT: dict[tuple[str, int, int, int, int], str] = {}
+
+
+def _load(digest: str, data: bytes) -> Tokenizer:
+    """Return the process's one Tokenizer for these bytes, building it on first use."""
+    with _LOCK:
+        loaded = _BY_DIGEST.get(digest)
+    if loaded is not None:
+        return loaded
+    tokenizer = Tokenizer.from_buffer(data)
+    # Content that spells a special token is counted as the text it is, never as the special token.
+    tokenizer.encode_special_tokens = True
+    with _LOCK:
+        return _BY_DIGEST.setdefault(digest, tokenizer)
+
+
+@dataclass(frozen=True, eq=False)
+class TokenizerCounter:
+    """Exact counts with a Hugging Face ``tokenizers`` tokenizer.
+
+    Special-token strings inside content are counted as the plain text they are (``encode_special_tokens``),
+    and no special tokens are added around a segment: the template's specials are counted by the stream.
+    """
+
+    tokenizer: Tokenizer
+    digest: str
+
+    @property
+    def method(self) -> CountMethod:
+        """Always ``EXACT``."""
+        return "EXACT"
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], *, expected_digest: str | None = None
+    ) -> TokenizerCounter:
+        """Load the tokenizer file at ``path``, at most once per process for each file content.
+
+        The digest is computed from the very bytes that are loaded, so it always names what counts.
+        Raises CountingUnavailable if the file is missing, unreadable, not a tokenizer, or (when
+        ``expected_digest`` is given) not the expected file.
+        """
+        file = Path(path)
+        try:
+            # A rewritten or replaced file has a new stat key, so it is read and hashed again.
+            stat = file.stat()
+            stat_key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+            with _LOCK:
+                digest = _DIGEST_BY_STAT.get(stat_key, "")
+                tokenizer = _BY_DIGEST.get(digest)
+            if tokenizer is None:
+                data = file.read_bytes()
+                digest = file_digest(data)
+                tokenizer = _load(digest, data)
+                with _LOCK:
+                    _DIGEST_BY_STAT[stat_key] = digest
+        except OSError as exc:
+            raise CountingUnavailable(f"tokenizer file {file} is unavailable: {exc}") from exc
+        except Exception as exc:  # the Rust loader raises plain Exception for a malformed file
+            raise CountingUnavailable(f"tokenizer file {file} cannot be loaded: {exc}") from exc
+        if expected_digest is not None and digest != expected_digest:
+            raise CountingUnavailable(
+                f"tokenizer file {file} has digest {digest}, expected {expected_digest}"
+            )
+        return cls(tokenizer, digest)
+
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        """Return the exact token count of each text (one batch call into the tokenizer)."""
+        if not texts:
+            return []
+        encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [len(encoding) for encoding in encodings]
+
+
+UpperBoundRule = Literal["UTF8_BYTES", "NFKC_UTF8_BYTES"]
+UPPER_BOUND_RULES: tuple[UpperBoundRule, ...] = ("UTF8_BYTES", "NFKC_UTF8_BYTES")
+
+
+@dataclass(frozen=True)
+class UpperBoundCounter:
+    """A proven upper bound for a byte-level BPE tokenizer: every token covers at least one byte of the
+    (normalised) text, so a segment never has more tokens than the UTF-8 bytes of its NFKC form (``nfkc``,
+    for a tokenizer with an NFKC normaliser, which can expand text) or of the text itself (no normaliser).
+    """
+
+    nfkc: bool
+    tokenizer_digest: str
+
+    @property
+    def method(self) -> CountMethod:
+        """Always ``UPPER_BOUND``."""
+        return "UPPER_BOUND"
+
+    @property
+    def digest(self) -> str:
+        """Cache identity, distinct from the exact counter of the same tokenizer."""
+        rule = "nfkc-utf8" if self.nfkc else "utf8"
+        return f"upper-bound:{rule}:{self.tokenizer_digest}"
+
+    def count_many(self, texts: Sequence[str]) -> list[int]:
+        """Return the bound of each text."""
+        if self.nfkc:
+            return [len(unicodedata.normalize("NFKC", text).encode("utf-8")) for text in texts]
+        return [len(text.encode("utf-8")) for text in texts]
+
+
+def upper_bound_rule(tokenizer_json: Mapping[str, object]) -> UpperBoundRule | None:
+    """Return the upper-bound rule that is proven for a ``tokenizers`` JSON document, or None.
+
+    Proven: a BPE model with a ByteLevel pre-tokenizer (every token covers at least one byte) and either no
+    normaliser (``UTF8_BYTES``) or exactly NFKC (``NFKC_UTF8_BYTES``). Anything else has no approved bound.
+    """
+    model = tokenizer_json.get("model")
+    if not isinstance(model, Mapping) or model.get("type") != "BPE":
+        return None
+    if not _has_byte_level(tokenizer_json.get("pre_tokenizer")):
+        return None
+    normalizer = tokenizer_json.get("normalizer")
+    if normalizer is None or (
+        isinstance(normalizer, Mapping)
+        and normalizer.get("type") == "Sequence"
+        and not normalizer.get("normalizers")
+    ):
+        return "UTF8_BYTES"
+    if isinstance(normalizer, Mapping) and normalizer.get("type") == "NFKC":
+        return "NFKC_UTF8_BYTES"
+    return None
+
+
+def _has_byte_level(pre_tokenizer: object) -> bool:
+    if not isinstance(pre_tokenizer, Mapping):
+        return False
+    if pre_tokenizer.get("type") == "ByteLevel":
+        return True
+    children = pre_tokenizer.get("pretokenizers")
+    return (
+        pre_tokenizer.get("type") == "Sequence"
+        and isinstance(children, list)
+        and any(_has_byte_level(child) for child in children)
+    )
+
+
+# -------------------------------------------------------------------------------------------------- images
+
+
+def image_tokens(width: int, height: int, formula: ImageFormula) -> int:
+    """Return the token cost of an image after scaling its long side down to ``IMAGE_MAX_SIDE``.
+
+    ``tiles512``: 85 + 170 per 512-pixel tile; ``pixels750``: one token per 750 pixels, rounded up. Scaled
+    sides are rounded up, so the cost is never under-counted. Raises ValueError for an unknown formula or a
+    non-positive side.
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError("image sides must be positive")
+    long_side = max(width, height)
+    if long_side > IMAGE_MAX_SIDE:
+        width = -(-width * IMAGE_MAX_SIDE // long_side)
+        height = -(-height * IMAGE_MAX_SIDE // long_side)
+    if formula == "tiles512":
+        return 85 + 170 * math.ceil(width / 512) * math.ceil(height / 512)
+    if formula == "pixels750":
+        return -(-width * height // 750)
+    raise ValueError(f"unknown image formula {formula!r}")
+
+
+# -------------------------------------------------------------------------------------------------- stream
+
+
+@dataclass(frozen=True)
+class Count:
+    """The count of one rendered stream; ``per_bucket`` and ``per_object`` both sum to ``total``."""
+
+    total: int
+    per_bucket: dict[str, int]
+    per_object: dict[str, int]
+    method: CountMethod
+    specials: int
+
+    def to_json(self) -> dict[str, object]:
+        """Return the camelCase JSON form."""
+        return {
+            "total": self.total,
+            "buckets": dict(self.per_bucket),
+            "objects": dict(self.per_object),
+            "method": self.method,
+            "specials": self.specials,
+        }
+
+
+def cache_key(counter_digest: str, template_revision: str, text: str) -> str:
+    """Return the cache key of one text segment."""
+    return f"tc:{counter_digest}:{template_revision}:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
+
+
+def count_stream(
+    pieces: Sequence[Piece],
+    counter: SegmentCounter,
+    cache: CountCache,
+    *,
+    template_revision: str,
+    image_formula: ImageFormula,
+) -> Count:
+    """Count a rendered stream: cached segments are reused, all misses go to the counter in one call.
+
+    Raises CountingUnavailable when the counter fails, TemplateError when the stream breaks the boundary rule
+    (its segment counts would not add up), and ValueError if the counter answers with the wrong shape.
+    """
+    check_boundaries(pieces)
+    texts: dict[str, int] = {}
+    for piece in pieces:
+        if isinstance(piece, Special | Image):
+            continue
+        texts.setdefault(piece.text, 0)
+    unique = list(texts)
+    keys = [cache_key(counter.digest, template_revision, text) for text in unique]
+    cached = cache.get_many(keys)
+    missing = [index for index, value in enumerate(cached) if value is None]
+    for text, value in zip(unique, cached, strict=True):
+        if value is not None:
+            texts[text] = value
+    if missing:
+        counted = counter.count_many([unique[index] for index in missing])
+        if len(counted) != len(missing) or any(type(n) is not int or n < 0 for n in counted):
+            raise ValueError("counter returned a malformed answer")
+        fresh: dict[str, int] = {}
+        for index, value in zip(missing, counted, strict=True):
+            texts[unique[index]] = value
+            fresh[keys[index]] = value
+        cache.set_many(fresh)
+
+    per_bucket: dict[str, int] = {}
+    per_object: dict[str, int] = {}
+    specials = 0
+    for piece in pieces:
+        if isinstance(piece, Special):
+            specials += 1
+            continue
+        if isinstance(piece, Image):
+            tokens = image_tokens(piece.width, piece.height, image_formula)
+        else:
+            tokens = texts[piece.text]
+        per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
+        per_object[piece.object_id] = per_object.get(piece.object_id, 0) + tokens
+    per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials
+    per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + specials
+    total = sum(per_bucket.values())
+    return Count(total, per_bucket, per_object, counter.method, specials)
+
+
+def rendered_digest(payload: object) -> str:
+    """Return ``'sha256:…'`` of the canonical JSON of a payload (sorted keys, no whitespace, UTF-8).
+
+    Raises ValueError/TypeError for values JSON cannot represent.
+    """
+    return sha256_digest(canonical_json(payload))

@@ -1,0 +1,185 @@
+"""Templates: stream counts add up exactly against the real tokenizers; the payload matches the stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from tokenizers import Tokenizer
+
+from ladder.components import Limits, TextPart, parse_components
+from ladder.counting import ImageFormula, MemoryCountCache, TokenizerCounter, count_stream, image_tokens
+from ladder.templates import (
+    TEMPLATE_FAMILIES,
+    Image,
+    Piece,
+    Special,
+    TemplateError,
+    Text,
+    check_boundaries,
+    get_template,
+    stream_text,
+)
+
+from .conftest import DEEPSEEK_FILE, LEGACY_FILE, deepseek_counter, legacy_counter, raw_tokenizer
+from .fixtures import FIXTURES, fixture
+from .strategies import components_json
+
+FAMILIES = {"deepseek": DEEPSEEK_FILE, "meta": LEGACY_FILE}
+ORACLES: dict[str, Tokenizer] = {}
+
+
+def oracle(family: str) -> Tokenizer:
+    if family not in ORACLES:
+        ORACLES[family] = raw_tokenizer(FAMILIES[family])
+    return ORACLES[family]
+
+
+def counter(family: str) -> TokenizerCounter:
+    return deepseek_counter() if family == "deepseek" else legacy_counter()
+
+
+def whole_stream_count(family: str, pieces: Sequence[Piece], formula: ImageFormula) -> int:
+    """Encode the whole stream at once, special tokens recognised, plus the image formula: the oracle."""
+    text_tokens = len(oracle(family).encode(stream_text(pieces), add_special_tokens=False))
+    images = sum(image_tokens(p.width, p.height, formula) for p in pieces if isinstance(p, Image))
+    return text_tokens + images
+
+
+def test_families_are_registered() -> None:
+    assert set(TEMPLATE_FAMILIES) == set(FAMILIES)
+    with pytest.raises(TemplateError):
+        get_template("chatml")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_special_is_one_added_token(family: str) -> None:
+    template = get_template(family)
+    tokenizer = oracle(family)
+    for token in template.specials:
+        assert tokenizer.token_to_id(token) is not None, token
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_generated_text_cannot_spell_an_added_token(family: str) -> None:
+    """The oracle assumption of the property tests: every added token contains "<" or U+FF5C."""
+    for token in oracle(family).get_added_tokens_decoder().values():
+        assert "<" in token.content or "\uff5c" in token.content, token.content
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_fixture_counts_are_exact(family: str, name: str) -> None:
+    components = parse_components(fixture(name), limits=Limits())
+    template = get_template(family)
+    pieces = template.render(components)
+    count = count_stream(
+        pieces,
+        counter(family),
+        MemoryCountCache(),
+        template_revision=template.revision,
+        image_formula="tiles512",
+    )
+    assert count.total == whole_stream_count(family, pieces, "tiles512")
+    assert sum(count.per_bucket.values()) == count.total == sum(count.per_object.values())
+    assert count.specials == sum(isinstance(piece, Special) for piece in pieces)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=components_json())
+def test_segment_counts_add_up_to_the_whole_stream(data: dict[str, Any]) -> None:
+    components = parse_components(data, limits=Limits())
+    for family in FAMILIES:
+        template = get_template(family)
+        pieces = template.render(components)
+        check_boundaries(pieces)
+        for formula in ("tiles512", "pixels750"):
+            count = count_stream(
+                pieces,
+                counter(family),
+                MemoryCountCache(),
+                template_revision=template.revision,
+                image_formula=formula,
+            )
+            assert count.total == whole_stream_count(family, pieces, formula)
+
+
+def test_boundary_rule_is_enforced() -> None:
+    with pytest.raises(TemplateError):
+        check_boundaries(
+            [Special("<SOS>"), Text("question", "question", "a"), Text("question", "question", "b")]
+        )
+    with pytest.raises(TemplateError):
+        check_boundaries([Special("<SOS>"), Text("question", "question", "a"), Image("question", "q", 1, 1)])
+    with pytest.raises(TemplateError):
+        check_boundaries([Special("<SOS>"), Text("question", "question", "a")])
+    check_boundaries([Special("<SOS>"), Text("question", "question", "a"), Special("<EOT>")])
+
+
+def test_special_strings_in_content_are_counted_as_text() -> None:
+    assert legacy_counter().count_many(["<EOT>"])[0] > 1
+    assert deepseek_counter().count_many(["<\uff5cend\u2581of\u2581sentence\uff5c>"])[0] > 1
+
+
+def test_payload_matches_the_stream() -> None:
+    components = parse_components(fixture("everything"), limits=Limits())
+    template = get_template("deepseek")
+    payload: dict[str, Any] = template.payload(components)
+    messages = payload["messages"]
+    assert isinstance(messages, list)
+    # Tool definitions and the schema are request fields, not messages; the stream still carries them.
+    assert [tool["function"]["name"] for tool in payload["tools"]] == [tool.name for tool in components.tools]
+    assert payload["response_format"]["json_schema"]["strict"] is True
+    stream = stream_text(template.render(components))
+    assert '"name":"tool_1"' in stream
+    assert all("Output JSON schema" not in str(message) for message in messages)
+    assert messages[-1]["role"] == "user"
+    tool_messages = [message for message in messages if message["role"] == "tool"]
+    assert tool_messages and all(message["tool_call_id"].startswith("call-") for message in tool_messages)
+    # Every text of the payload appears verbatim in the stream.
+    for message in messages:
+        for part in message["content"] or []:
+            if part["type"] == "text":
+                assert part["text"] in stream
+            else:
+                assert part["ref"].endswith(("#image0", "#image1"))
+
+
+def test_compactions_render_in_place_of_their_turns() -> None:
+    components = parse_components(fixture("near_window"), limits=Limits())
+    compaction = components.compactions[0]
+    kept = tuple(turn for turn in components.recent_turns if turn.turn not in compaction.replaces_turns)
+    applied = replace(components, recent_turns=kept)
+    for family in FAMILIES:
+        template = get_template(family)
+        # Offered compactions (their turns all present) are not rendered.
+        assert "[summary of turns" not in stream_text(template.render(components))
+        stream = stream_text(template.render(applied))
+        assert stream.count("[summary of turns") == 1
+        first_kept = applied.recent_turns[0].parts[0]
+        assert isinstance(first_kept, TextPart)
+        assert stream.index("[summary of turns 1-8]") < stream.index(first_kept.text)
+        partly = replace(components, recent_turns=components.recent_turns[1:])
+        with pytest.raises(TemplateError):
+            template.render(partly)
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "formula", "tokens"),
+    [
+        (512, 512, "tiles512", 255),
+        (513, 512, "tiles512", 425),
+        (4000, 3000, "tiles512", 85 + 170 * 4 * 3),  # scaled to 2048 x 1536
+        (1, 1, "tiles512", 255),
+        (750, 1, "pixels750", 1),
+        (751, 1, "pixels750", 2),
+        (4000, 3000, "pixels750", 4195),  # ceil(2048 * 1536 / 750)
+        (10_000, 3, "pixels750", 3),  # scaled to 2048 x 1 (rounded up): never under-counted
+    ],
+)
+def test_image_formulas(width: int, height: int, formula: str, tokens: int) -> None:
+    assert image_tokens(width, height, formula) == tokens  # type: ignore[arg-type]

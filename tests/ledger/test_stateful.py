@@ -1,0 +1,295 @@
+"""A Hypothesis state machine drives random sequences of admissions and lifecycle calls against the real
+database and a pure Python model of the ledger, and checks after every step that the two agree, that balances
+equal the sum of their entries, that the conservation equation holds and that no account is overspent."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from budgeting.problems import Conflict
+from ledger import services
+from ledger.models import CapacityAccount, Reservation
+from ledger.selectors import audit
+from tests.ledger.helpers import admit, catalog, now, pool_account, spec, tenant_account
+
+INPUT_LIMIT = 3000
+OUTPUT_LIMIT = 2000
+CONCURRENCY = 3
+OUT = 100
+
+
+@dataclass
+class Model:
+    """What one reservation should be, by the rules of SPEC §5."""
+
+    key: str
+    input: int
+    state: str = "RESERVED"
+    consumed: int = 0
+    output: int = OUT
+    top_ups: int = 0
+    captured: int = 0
+    remaining: int = OUT
+    released: int = 0
+    overrun: int = 0
+    held: bool = True
+    reason: str = ""
+    events: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    top_up_ids: dict[str, int] = field(default_factory=dict)
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    reservations = Bundle("reservations")
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Examples share the database (ledger rows cannot be deleted); each gets its own tenant and pool.
+        self.cat = catalog(tenant_slug=f"t-{uuid.uuid4().hex[:8]}", pool_slug=f"p-{uuid.uuid4().hex[:8]}")
+        self.tenant = tenant_account(
+            self.cat, input_limit=INPUT_LIMIT, output_limit=OUTPUT_LIMIT, concurrency_limit=CONCURRENCY
+        )
+        self.pool = pool_account(self.cat)
+        self.models: dict[uuid.UUID, Model] = {}
+        self.ids = [self.cat.tenant.pk]
+
+    # --- the model's view of the tenant account -----------------------------------------------------------
+
+    def expected(self) -> tuple[int, int, int, int, int]:
+        ms = self.models.values()
+        return (
+            sum(m.input for m in ms if m.state == "RESERVED"),
+            sum(m.remaining for m in ms),
+            sum(m.consumed for m in ms),
+            sum(m.captured + m.overrun for m in ms),
+            sum(1 for m in ms if m.held),
+        )
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs), None
+        except (services.InvalidTransition, services.QuotaExceeded, services.StaleFence, Conflict) as exc:
+            return None, exc
+
+    # --- rules --------------------------------------------------------------------------------------------
+
+    @rule(target=reservations, size=st.integers(1, 1500))
+    def admit(self, size):
+        e = self.expected()
+        fits = (
+            e[0] + e[2] + size <= INPUT_LIMIT
+            and e[1] + e[3] + OUT <= OUTPUT_LIMIT
+            and e[4] + 1 <= CONCURRENCY
+        )
+        key = uuid.uuid4().hex
+        result, err = self._call(admit, spec(self.cat, key=key, input_tokens=size, output_tokens=OUT))
+        assert (err is None) == fits, (err, e, size)
+        if result is None:
+            return uuid.uuid4()
+        self.models[result.reservation.pk] = Model(key=key, input=size)
+        return result.reservation.pk
+
+    @rule(rid=reservations)
+    def replay_admission(self, rid):
+        model = self.models.get(rid)
+        if model is None:
+            return
+        result = admit(spec(self.cat, key=model.key, input_tokens=model.input, output_tokens=OUT))
+        assert result.replayed and result.reservation.pk == rid
+
+    @rule(rid=reservations)
+    def dispatch(self, rid):
+        model = self.models.get(rid)
+        if model is None:
+            return
+        r = Reservation.objects.get(pk=rid)
+        _, err = self._call(
+            services.dispatch,
+            reservation_id=rid,
+            tenant_ids=self.ids,
+            fence=1,
+            provider_request_id=f"p-{rid}",
+            admitted_digest=r.admitted_digest,
+            now=now(),
+        )
+        if model.state == "RESERVED":
+            assert err is None
+            model.state, model.consumed = "DISPATCHED", model.input
+        elif model.consumed and model.state != "RESERVED" and model.reason != "released":
+            assert err is None, "repeating the same dispatch is a no-op"
+        else:
+            assert isinstance(err, services.InvalidTransition)
+
+    @rule(rid=reservations, n=st.integers(0, 150), final=st.booleans(), event=st.integers(0, 3))
+    def usage(self, rid, n, final, event):
+        model = self.models.get(rid)
+        if model is None:
+            return
+        event_id = f"ev-{event}"
+        _, err = self._call(
+            services.record_usage,
+            reservation_id=rid,
+            tenant_ids=self.ids,
+            fence=1,
+            usage=services.Usage(event_id, n, None, final),
+            now=now(),
+        )
+        if event_id in model.events:
+            if model.events[event_id] == (n, final):
+                assert err is None, "an exact replay is a no-op"
+            else:
+                assert isinstance(err, services.UsageEventConflict)
+            return
+        if model.state not in {"DISPATCHED", "RUNNING", "PARTIALLY_SETTLED"}:
+            assert isinstance(err, services.InvalidTransition)
+            return
+        assert err is None
+        model.events[event_id] = (n, final)
+        take = min(n, model.remaining)
+        model.captured += take
+        model.remaining -= take
+        model.overrun += n - take
+        if final:
+            model.released += model.remaining
+            model.remaining = 0
+            model.state, model.held = "SETTLED", False
+        elif model.state == "DISPATCHED":
+            model.state = "RUNNING"
+
+    @rule(rid=reservations, n=st.integers(1, 400), tid=st.integers(0, 1))
+    def top_up(self, rid, n, tid):
+        model = self.models.get(rid)
+        if model is None:
+            return
+        top_up_id = f"t-{tid}"
+        e = self.expected()
+        _, err = self._call(
+            services.top_up,
+            reservation_id=rid,
+            tenant_ids=self.ids,
+            fence=1,
+            top_up_id=top_up_id,
+            output_tokens=n,
+            now=now(),
+        )
+        if top_up_id in model.top_up_ids:
+            assert (err is None) == (model.top_up_ids[top_up_id] == n)
+            return
+        if model.state not in {"RESERVED", "DISPATCHED", "RUNNING"}:
+            assert isinstance(err, services.InvalidTransition)
+            return
+        if e[1] + e[3] + n > OUTPUT_LIMIT:
+            assert isinstance(err, services.QuotaExceeded)
+            return
+        assert err is None
+        model.top_up_ids[top_up_id] = n
+        model.top_ups += n
+        model.remaining += n
+
+    @rule(rid=reservations)
+    def cancel(self, rid):
+        model = self.models.get(rid)
+        if model is None:
+            return
+        _, err = self._call(services.cancel, reservation_id=rid, tenant_ids=self.ids, fence=1, now=now())
+        if model.state == "RESERVED":
+            assert err is None
+            model.released += model.remaining
+            model.remaining, model.state, model.held, model.reason = 0, "SETTLED", False, "cancelled"
+        elif model.state in {"DISPATCHED", "RUNNING"}:
+            assert err is None
+            model.state, model.reason = "PARTIALLY_SETTLED", "cancelled"
+        elif model.reason == "cancelled":
+            assert err is None
+        else:
+            assert isinstance(err, services.InvalidTransition)
+
+    @rule(rid=reservations, sent=st.sampled_from(["yes", "no", "unknown"]))
+    def fail(self, rid, sent):
+        model = self.models.get(rid)
+        if model is None:
+            return
+        _, err = self._call(
+            services.fail,
+            reservation_id=rid,
+            tenant_ids=self.ids,
+            fence=1,
+            reason="boom",
+            request_sent=sent,
+            usage=None,
+            now=now(),
+        )
+        if model.state == "RESERVED":
+            assert err is None
+            model.released += model.remaining
+            model.remaining, model.state, model.held, model.reason = 0, "SETTLED", False, "failed"
+        elif model.state == "DISPATCHED" and sent == "no":
+            assert err is None
+            model.released += model.remaining
+            model.remaining, model.state, model.held, model.reason = 0, "SETTLED", False, "released"
+            model.consumed = 0
+        elif model.state in {"DISPATCHED", "RUNNING"}:
+            assert err is None
+            model.state, model.reason = "PARTIALLY_SETTLED", "failed"
+        elif model.reason in {"failed", "released"}:
+            assert err is None
+        else:
+            assert isinstance(err, services.InvalidTransition)
+
+    @rule(rid=reservations)
+    def stale_fence_write(self, rid):
+        if rid not in self.models:
+            return
+        _, err = self._call(services.cancel, reservation_id=rid, tenant_ids=self.ids, fence=2, now=now())
+        assert isinstance(err, services.StaleFence)
+
+    @rule(rid=consumes(reservations))
+    def forget(self, rid):
+        """Let the bundle shrink so long runs keep exercising fresh reservations."""
+
+    # --- invariants ---------------------------------------------------------------------------------------
+
+    @invariant()
+    def database_agrees_with_the_model(self):
+        account = CapacityAccount.objects.get(pk=self.tenant.pk)
+        actual = (
+            account.input_reserved,
+            account.output_reserved,
+            account.input_consumed,
+            account.output_consumed,
+            account.in_flight,
+        )
+        assert actual == self.expected()
+        assert account.input_reserved + account.input_consumed <= INPUT_LIMIT
+        assert account.in_flight <= CONCURRENCY
+        for rid, model in self.models.items():
+            r = Reservation.objects.get(pk=rid)
+            assert (r.state, r.captured, r.remaining, r.released, r.overrun, r.top_ups) == (
+                model.state,
+                model.captured,
+                model.remaining,
+                model.released,
+                model.overrun,
+                model.top_ups,
+            )
+
+    @invariant()
+    def ledger_invariants_hold(self):
+        report = audit(account_ids=[self.tenant.pk, self.pool.pk], reservation_ids=list(self.models))
+        assert report.ok, report.violations + report.leaks
+
+
+@pytest.mark.django_db(transaction=True)
+def test_ledger_state_machine():
+    LedgerMachine.TestCase.settings = settings(
+        max_examples=20,
+        stateful_step_count=25,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    LedgerMachine.TestCase().runTest()
