@@ -11,7 +11,11 @@ import os
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
+import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
+
+# Lets typed code subscript Django's generic classes at run time (ModelAdmin[Model], QuerySet[Model]).
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("TB_VAR_DIR", BASE_DIR / "var"))
