@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import urllib.request
 from datetime import datetime
 
 from budgeting.admission import queued_body
+from budgeting.models import ModelPool
 from ledger import selectors
 from ledger import services as ledger
 from ledger.models import CapacityAccount, Reservation, State
 from ledger.periods import period_start_for
-from reconciliation import services
+from reconciliation import billing, services
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,24 @@ def audit(*, now: datetime) -> dict[str, int]:
         "violations": len(report.violations),
         "leaks": len(report.leaks),
     }
+
+
+def import_provider_billing(*, now: datetime) -> dict[str, int]:
+    """Fetch each pool's provider billing export (per request, JSONL) and import it; unchanged exports are
+    recognised by their digest and change nothing."""
+    totals = {"imports": 0, "unchanged": 0, "failed": 0}
+    for pool in ModelPool.objects.exclude(provider_base_url=""):
+        url = f"{pool.provider_base_url.rstrip('/')}/v1/billing/export?format=jsonl&granularity=request"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            logger.warning("billing export of pool %s unavailable: %s", pool.slug, exc)
+            totals["failed"] += 1
+            continue
+        result = billing.import_export(text=text, fmt="jsonl", source=f"pool {pool.slug}", now=now)
+        totals["imports" if result.created else "unchanged"] += 1
+    return totals
 
 
 def roll_periods(*, now: datetime) -> dict[str, int]:

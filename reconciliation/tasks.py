@@ -41,6 +41,11 @@ def audit_ledger() -> dict[str, int]:
     return operations.audit(now=timezone.now())
 
 
+@shared_task(name="reconciliation.import_provider_billing", **TASK_OPTIONS)
+def import_provider_billing() -> dict[str, int]:
+    return operations.import_provider_billing(now=timezone.now())
+
+
 @shared_task(name="reconciliation.roll_periods", **TASK_OPTIONS)
 def roll_periods() -> dict[str, int]:
     return operations.roll_periods(now=timezone.now())

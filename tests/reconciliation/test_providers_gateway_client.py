@@ -82,7 +82,9 @@ class Call:
 class FakeApi:
     """Our API reduced to the gateway's calls, recording each one (including retried attempts)."""
 
-    def __init__(self, sim: Simulator | None = None, *, lease_ttl_s: float = 30.0, max_output: int = 40) -> None:
+    def __init__(
+        self, sim: Simulator | None = None, *, lease_ttl_s: float = 30.0, max_output: int = 40
+    ) -> None:
         self.sim = sim
         self.lease_ttl_s = lease_ttl_s
         self.max_output = max_output
@@ -228,9 +230,7 @@ def no_wait_retry(attempts: int = 4) -> RetryPolicy:
     return RetryPolicy(attempts=attempts, base_delay_s=0.0, max_delay_s=0.0, jitter=0.0)
 
 
-def client_for(
-    api: FakeApi, sim: Simulator, *, usage_every_chunks: int = 3, **kwargs: Any
-) -> GatewayClient:
+def client_for(api: FakeApi, sim: Simulator, *, usage_every_chunks: int = 3, **kwargs: Any) -> GatewayClient:
     return GatewayClient(
         ApiClient(api.base_url, "svc-token", retry=no_wait_retry(), timeout_s=5),
         ChatProvider(sim.base_url + "/v1", "sk-provider", timeout_s=5),
@@ -298,13 +298,21 @@ def test_provider_body_caps_output_and_asks_for_usage() -> None:
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert provider_body({"messages": MESSAGES, "max_tokens": 10}, 40, "fallback")["max_tokens"] == 10
     assert provider_body({"messages": MESSAGES}, 40, "fallback")["model"] == "fallback"
-    assert provider_body({"messages": MESSAGES, "max_completion_tokens": 99}, 40, "m")["max_completion_tokens"] == 40
+    assert (
+        provider_body({"messages": MESSAGES, "max_completion_tokens": 99}, 40, "m")["max_completion_tokens"]
+        == 40
+    )
     assert payload["max_tokens"] == 500  # the admitted payload itself is not mutated
 
 
 @pytest.mark.parametrize(
     "payload",
-    ["a rendered string", {"model": "m"}, {"messages": MESSAGES}, {"model": "m", "messages": MESSAGES, "n": 2}],
+    [
+        "a rendered string",
+        {"model": "m"},
+        {"messages": MESSAGES},
+        {"model": "m", "messages": MESSAGES, "n": 2},
+    ],
 )
 def test_provider_body_rejects_payloads_it_cannot_send(payload: Any) -> None:
     with pytest.raises(ProtocolViolation):
@@ -338,7 +346,9 @@ def test_grant_requires_the_contract_fields() -> None:
 def test_a_lost_answer_is_retried_with_the_same_idempotency_key_and_body(api: FakeApi) -> None:
     api.lose_response["admission"] = 2
     delays: list[float] = []
-    client = ApiClient(api.base_url, "svc-token", retry=RetryPolicy(attempts=4, jitter=0.0), sleep=delays.append)
+    client = ApiClient(
+        api.base_url, "svc-token", retry=RetryPolicy(attempts=4, jitter=0.0), sleep=delays.append
+    )
     response = client.request("POST", "/api/v1/admissions", ADMISSION, {"Idempotency-Key": "idem-1"})
     assert [c.headers["idempotency-key"] for c in api.calls] == ["idem-1"] * 3
     assert all(c.body == ADMISSION for c in api.calls)
@@ -346,7 +356,6 @@ def test_a_lost_answer_is_retried_with_the_same_idempotency_key_and_body(api: Fa
     # The first attempt was applied; the retry is a replay of it, not a second reservation.
     assert response.status == 200 and response.headers["idempotent-replayed"] == "true"
     assert len(api.reservations) == 1
-    assert response.headers["authorization"] if "authorization" in response.headers else True
     assert api.calls[0].headers["authorization"] == "Bearer svc-token"
 
 
@@ -376,7 +385,7 @@ def test_errors_are_not_retried_and_stale_fence_has_its_own_type(api: FakeApi) -
 
 
 def test_gateway_timeouts_are_retried(api: FakeApi) -> None:
-    outcomes = iter([(504, {}), (502, {})])
+    outcomes: Iterator[tuple[int, dict[str, Any]]] = iter([(504, {}), (502, {})])
 
     def flaky(fake: FakeApi, call: Call) -> None:
         fake.answer.pop("admission", None)
@@ -404,7 +413,11 @@ def test_completed_call_posts_deltas_that_sum_to_the_provider_bill(api: FakeApi,
     assert reservation.provider_request_id == "tbr-r-1"
     assert reservation.provider_saw_it_before_dispatch is False
     assert api.actions()[:2] == ["admission", "dispatch"]
-    assert api.calls[1].body == {"fence": 1, "providerRequestId": "tbr-r-1", "admittedDigest": "sha256:admitted"}
+    assert api.calls[1].body == {
+        "fence": 1,
+        "providerRequestId": "tbr-r-1",
+        "admittedDigest": "sha256:admitted",
+    }
     events = usage_events(api)
     assert [e["usageEventId"] for e in events] == [f"tbr-r-1:{n}" for n in range(1, len(events) + 1)]
     assert [e["final"] for e in events] == [False] * (len(events) - 1) + [True]
@@ -427,7 +440,9 @@ def test_lost_usage_answers_are_retried_with_the_same_event_id(api: FakeApi, sim
 
 
 @pytest.mark.parametrize("fault", [Fault.DUPLICATE_USAGE, Fault.REORDER_USAGE])
-def test_duplicated_or_reordered_usage_is_not_double_counted(api: FakeApi, sim: Simulator, fault: Fault) -> None:
+def test_duplicated_or_reordered_usage_is_not_double_counted(
+    api: FakeApi, sim: Simulator, fault: Fault
+) -> None:
     sim.script(fault)
     result = client_for(api, sim, usage_every_chunks=1).run(ADMISSION, idempotency_key="idem-1")
     entry = sim.entry(result.provider_request_id)
@@ -568,7 +583,10 @@ def test_a_refused_dispatch_cancels_and_never_calls_the_provider(api: FakeApi, s
 
 
 def test_queued_and_rejected_admissions_raise(api: FakeApi, sim: Simulator) -> None:
-    api.answer["admission"] = (202, {"state": "PROPOSED", "position": 3, "pollUrl": "/api/v1/reservations/r-9"})
+    api.answer["admission"] = (
+        202,
+        {"state": "PROPOSED", "position": 3, "pollUrl": "/api/v1/reservations/r-9"},
+    )
     with pytest.raises(AdmissionQueued) as queued:
         client_for(api, sim).run(ADMISSION, idempotency_key="idem-1")
     assert queued.value.body["position"] == 3

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from reconciliation.providers import (
     BucketBillingRecord,
@@ -28,10 +29,15 @@ from reconciliation.simulator import (
     parse_bucket_width,
 )
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You review contracts."},
     {"role": "user", "content": "Summarise clause 7 of the master services agreement, please."},
 ]
+
+
+# http.client sends the headers and the body separately; a reset that lands between them fails the body send
+# with ECONNRESET or, if the kernel already processed the RST, EPIPE.
+RESET = (ConnectionResetError, BrokenPipeError)
 
 
 class FakeClock:
@@ -140,7 +146,7 @@ def wait_until_settled(sim: Simulator, request_id: str, timeout: float = 5.0) ->
 def test_sdk_stream_yields_content_and_final_usage_equal_to_the_ledger(sim: Simulator) -> None:
     stream = sdk(sim).chat.completions.create(
         model="sim-large",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=40,
         stream=True,
         stream_options={"include_usage": True},
@@ -174,7 +180,7 @@ def test_sdk_stream_yields_content_and_final_usage_equal_to_the_ledger(sim: Simu
 def test_sdk_non_streaming_answer_matches_the_ledger(sim: Simulator) -> None:
     completion = sdk(sim).chat.completions.create(
         model="sim-large",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=12,
         extra_headers={"X-Request-Id": "prq-plain"},
     )
@@ -190,7 +196,7 @@ def test_without_include_usage_there_is_no_usage_chunk_but_the_request_is_billed
     chunks = list(
         sdk(sim).chat.completions.create(
             model="sim-large",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=10,
             stream=True,
             extra_headers={"X-Request-Id": "prq-nousage"},
@@ -202,7 +208,7 @@ def test_without_include_usage_there_is_no_usage_chunk_but_the_request_is_billed
 
 
 def test_generated_request_id_is_echoed_and_used_in_the_ledger(sim: Simulator) -> None:
-    completion = sdk(sim).chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    completion = sdk(sim).chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)
     assert completion.id.startswith("chatcmpl-")
     assert sim.entry(completion.id) is not None
 
@@ -219,7 +225,7 @@ def test_a_reused_request_id_is_refused_and_not_billed_twice(sim: Simulator) -> 
     client = sdk(sim)
     client.chat.completions.create(
         model="m",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=5,
         extra_headers={"X-Request-Id": "prq-dup"},
     )
@@ -227,7 +233,7 @@ def test_a_reused_request_id_is_refused_and_not_billed_twice(sim: Simulator) -> 
     with pytest.raises(openai.ConflictError):
         client.chat.completions.create(
             model="m",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=5,
             extra_headers={"X-Request-Id": "prq-dup"},
         )
@@ -239,7 +245,7 @@ def test_output_is_deterministic_per_seed_and_request_id(clock: FakeClock) -> No
         with Simulator(seed=seed, clock=clock) as simulator:
             completion = sdk(simulator).chat.completions.create(
                 model="m",
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 max_tokens=30,
                 extra_headers={"X-Request-Id": "same-id"},
             )
@@ -251,7 +257,7 @@ def test_output_is_deterministic_per_seed_and_request_id(clock: FakeClock) -> No
 
 def test_prompt_counter_is_pluggable(clock: FakeClock) -> None:
     with Simulator(clock=clock, prompt_counter=lambda messages: 1000 + len(messages)) as simulator:
-        completion = sdk(simulator).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
+        completion = sdk(simulator).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
     assert completion.usage is not None and completion.usage.prompt_tokens == 1002
 
 
@@ -266,8 +272,8 @@ def test_completion_tokens_can_be_fixed_and_finish_reason_reflects_the_limit(sim
     sim.script(completion_tokens=9)
     sim.script(completion_tokens=50)
     client = sdk(sim)
-    short = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20)  # type: ignore[arg-type]
-    capped = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20)  # type: ignore[arg-type]
+    short = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20)
+    capped = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20)
     assert short.usage is not None and short.usage.completion_tokens == 9
     assert short.choices[0].finish_reason == "stop"
     assert capped.usage is not None and capped.usage.completion_tokens == 20
@@ -279,7 +285,7 @@ def test_context_overflow_is_refused_and_not_billed(clock: FakeClock) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             sdk(simulator).chat.completions.create(
                 model="tiny",
-                messages=MESSAGES,  # type: ignore[arg-type]
+                messages=MESSAGES,
                 max_tokens=20,
                 extra_headers={"X-Request-Id": "prq-overflow"},
             )
@@ -307,13 +313,28 @@ def test_requests_without_a_bearer_token_or_with_bad_bodies_are_refused_unbilled
 def test_delay_fault_delays_the_answer(sim: Simulator) -> None:
     sim.script(Fault.DELAY, delay_s=0.3)
     started = time.monotonic()
-    sdk(sim).chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)  # type: ignore[arg-type]
+    sdk(sim).chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)
     assert time.monotonic() - started >= 0.3
+
+
+def test_a_delayed_request_is_already_running_for_lookups(sim: Simulator) -> None:
+    sim.script(Fault.DELAY, delay_s=0.3)
+    worker = threading.Thread(
+        target=lambda: sse_events(raw_post(sim, stream_body(), {"X-Request-Id": "prq-d"})[1])
+    )
+    worker.start()
+    try:
+        while sim.entry("prq-d") is None:
+            time.sleep(0.005)
+        assert get_json(sim, "/v1/requests/prq-d")[1]["status"] == "running"
+    finally:
+        worker.join()
+    assert get_json(sim, "/v1/requests/prq-d")[1]["status"] == "completed"
 
 
 def test_reset_before_read_resets_and_bills_nothing(sim: Simulator) -> None:
     sim.script(Fault.RESET_BEFORE_READ)
-    with pytest.raises(ConnectionResetError) as caught:
+    with pytest.raises(RESET) as caught:
         raw_post(sim, stream_body(), {"X-Request-Id": "prq-rbr"})
     assert not isinstance(caught.value, http.client.RemoteDisconnected)  # a reset, not a clean close
     entry = sim.entry("prq-rbr")
@@ -325,11 +346,11 @@ def test_reset_before_read_resets_and_bills_nothing(sim: Simulator) -> None:
 
 def test_a_never_processed_id_may_be_used_again(sim: Simulator) -> None:
     sim.script(Fault.RESET_BEFORE_READ)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(RESET):
         raw_post(sim, stream_body(), {"X-Request-Id": "prq-again"})
     completion = sdk(sim).chat.completions.create(
         model="m",
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=4,
         extra_headers={"X-Request-Id": "prq-again"},
     )
@@ -339,7 +360,7 @@ def test_a_never_processed_id_may_be_used_again(sim: Simulator) -> None:
 
 def test_reset_after_read_bills_the_prompt(sim: Simulator) -> None:
     sim.script(Fault.RESET_AFTER_READ)
-    with pytest.raises(ConnectionResetError) as caught:
+    with pytest.raises(RESET) as caught:
         raw_post(sim, stream_body(), {"X-Request-Id": "prq-rar"})
     assert not isinstance(caught.value, http.client.RemoteDisconnected)
     entry = sim.entry("prq-rar")
@@ -355,7 +376,7 @@ def test_5xx_after_read_answers_the_error_and_bills_the_prompt(sim: Simulator) -
     with pytest.raises(openai.InternalServerError) as caught:
         sdk(sim).chat.completions.create(
             model="m",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             extra_headers={"X-Request-Id": "prq-503"},
         )
     assert caught.value.status_code == 503
@@ -369,7 +390,7 @@ def test_cut_after_chunks_resets_after_k_chunks_and_bills_what_was_produced(sim:
     connection, response = raw_post(sim, stream_body(max_tokens=30), {"X-Request-Id": "prq-cut"})
     assert response.status == 200
     events: list[dict[str, Any]] = []
-    with pytest.raises((ConnectionResetError, http.client.IncompleteRead)):
+    with pytest.raises((*RESET, http.client.IncompleteRead)):
         while line := response.readline():
             if line.startswith(b"data: "):
                 events.append(json.loads(line[6:]))
@@ -386,7 +407,7 @@ def test_omit_usage_completes_without_the_usage_chunk_and_bills_in_full(sim: Sim
     chunks = list(
         sdk(sim).chat.completions.create(
             model="m",
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=20,
             stream=True,
             stream_options={"include_usage": True},
@@ -449,7 +470,8 @@ def test_a_client_that_disconnects_is_billed_for_what_was_produced(sim: Simulato
     connection, response = raw_post(sim, stream_body(max_tokens=60), {"X-Request-Id": "prq-gone"})
     for _ in range(3):
         response.readline()
-    connection.sock.close()  # type: ignore[union-attr]
+    assert connection.sock is not None
+    connection.sock.close()
     connection.close()
     wait_until_settled(sim, "prq-gone")
     entry = sim.entry("prq-gone")
@@ -457,7 +479,7 @@ def test_a_client_that_disconnects_is_billed_for_what_was_produced(sim: Simulato
 
 
 def test_fault_header_applies_to_that_request_only(sim: Simulator) -> None:
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(RESET):
         raw_post(sim, stream_body(), {"X-Request-Id": "hdr-1", "X-Sim-Fault": "reset_after_read"})
     connection, response = raw_post(sim, stream_body(), {"X-Request-Id": "hdr-2"})
     sse_events(response)
@@ -476,7 +498,7 @@ def test_scripts_apply_to_the_next_n_requests_and_request_id_scripts_win(sim: Si
     with pytest.raises(http.client.RemoteDisconnected):
         raw_post(sim, stream_body(), {"X-Request-Id": "special"})
     for request_id in ("a", "b"):
-        with pytest.raises(ConnectionResetError):
+        with pytest.raises(RESET):
             raw_post(sim, stream_body(), {"X-Request-Id": request_id})
     connection, response = raw_post(sim, stream_body(), {"X-Request-Id": "c"})
     assert sse_events(response)[-1] == "[DONE]"
@@ -521,14 +543,14 @@ def _make_requests(sim: Simulator, clock: FakeClock) -> None:
         api_key, model = plan[index % len(plan)]
         sdk(sim, api_key=api_key).chat.completions.create(
             model=model,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=5 + index,
             extra_headers={"X-Request-Id": f"prq-{index:02d}"},
         )
         clock.advance(timedelta(minutes=13))
     # Unbilled and running rows must stay out of exports.
     sim.script(Fault.RESET_BEFORE_READ)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(RESET):
         raw_post(sim, stream_body(), {"X-Request-Id": "prq-unbilled"})
 
 
@@ -541,24 +563,25 @@ def test_csv_and_jsonl_exports_parse_and_buckets_sum_to_the_requests(
 
     for fmt in ("csv", "jsonl"):
         status, text = get_text(sim, f"/v1/billing/export?format={fmt}&granularity=request")
-        assert status == 200 and text == sim.billing_export(fmt)  # type: ignore[arg-type]
-        requests = parse_billing_export(text, fmt)  # type: ignore[arg-type]
-        assert all(isinstance(r, RequestBillingRecord) for r in requests)
+        assert status == 200 and text == sim.billing_export(fmt)
+        parsed = parse_billing_export(text, fmt)
+        requests = [r for r in parsed if isinstance(r, RequestBillingRecord)]
+        assert len(requests) == len(parsed)
         assert {r.request_id: (r.input_tokens, r.output_tokens) for r in requests} == {
             request_id: (e.prompt_tokens, e.completion_tokens) for request_id, e in billed.items()
         }
         assert all(r.start_time == billed[r.request_id].started_at for r in requests)
 
-        buckets = parse_billing_export(sim.billing_export(fmt, "bucket", timedelta(hours=1)), fmt)  # type: ignore[arg-type]
-        assert all(isinstance(b, BucketBillingRecord) for b in buckets)
-        sums: dict[tuple[Any, ...], list[int]] = {}
+        parsed = parse_billing_export(sim.billing_export(fmt, "bucket", timedelta(hours=1)), fmt)
+        buckets = [b for b in parsed if isinstance(b, BucketBillingRecord)]
+        assert len(buckets) == len(parsed)
+        sums: dict[tuple[Any, ...], list[int | None]] = {}
         for record in requests:
-            assert isinstance(record, RequestBillingRecord)
             start = record.start_time.replace(minute=0, second=0, microsecond=0)
-            total = sums.setdefault((record.api_key_id, record.project_id, record.model, start), [0, 0, 0])
-            total[0] += record.input_tokens
-            total[1] += record.output_tokens
-            total[2] += 1
+            key = (record.api_key_id, record.project_id, record.model, start)
+            prompt, completion, count = sums.get(key, [0, 0, 0])
+            assert prompt is not None and completion is not None and count is not None
+            sums[key] = [prompt + record.input_tokens, completion + record.output_tokens, count + 1]
         assert {
             (b.api_key_id, b.project_id, b.model, b.bucket_start): [
                 b.input_tokens,
@@ -566,13 +589,9 @@ def test_csv_and_jsonl_exports_parse_and_buckets_sum_to_the_requests(
                 b.num_model_requests,
             ]
             for b in buckets
-            if isinstance(b, BucketBillingRecord)
         } == sums
-        assert len({b.bucket_start for b in buckets if isinstance(b, BucketBillingRecord)}) >= 3
-        assert {b.api_key_id for b in buckets if isinstance(b, BucketBillingRecord)} == {
-            api_key_id("sk-a"),
-            api_key_id("sk-b"),
-        }
+        assert len({b.bucket_start for b in buckets}) >= 3
+        assert {b.api_key_id for b in buckets} == {api_key_id("sk-a"), api_key_id("sk-b")}
 
 
 def test_export_endpoint_serves_both_formats_and_filters_by_time(sim: Simulator, clock: FakeClock) -> None:

@@ -1,0 +1,253 @@
+"""Importing provider billing exports and reconciling them with the ledger.
+
+Per-request records settle RECONCILING (and still-open dispatched) reservations at the billed usage through
+correcting ledger entries; settled ones are compared and any difference is recorded. Bucket records are compared
+with what we captured for that model and UTC bucket. Importing the same export twice changes nothing (content
+digest), a request billed twice is flagged and counted once, and missing or extra requests are reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import IntegrityError, transaction
+from django.db.models import Sum
+
+from ledger import services as ledger
+from ledger.models import Reservation, State
+from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
+from reconciliation.providers import BucketBillingRecord, RequestBillingRecord, scan_billing_export
+
+OPEN_AFTER_DISPATCH = [State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED, State.RECONCILING]
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    billing_import: BillingImport
+    created: bool
+
+    def summary(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for kind in self.billing_import.findings.values_list("kind", flat=True):
+            counts[kind] = counts.get(kind, 0) + 1
+        return {"records": self.billing_import.records, "settled": self.billing_import.settled, **counts}
+
+
+def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportResult:
+    """Import one billing export. Raises ValueError for an unknown format; bad lines become findings."""
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    existing = BillingImport.objects.filter(content_sha256=digest).first()
+    if existing is not None:
+        return ImportResult(existing, created=False)
+    scan = scan_billing_export(text, fmt)  # type: ignore[arg-type]
+    requests = [r for r in scan.records if isinstance(r, RequestBillingRecord)]
+    buckets = [r for r in scan.records if isinstance(r, BucketBillingRecord)]
+    findings: list[BillingFinding] = []
+    try:
+        with transaction.atomic(durable=True):
+            billing_import = BillingImport.objects.create(
+                source=source[:200],
+                fmt=fmt,
+                content_sha256=digest,
+                records=len(scan.records),
+                period_start=min((r.start_time for r in requests), default=None),
+                period_end=max((r.start_time for r in requests), default=None),
+            )
+            for problem in scan.problems:
+                kind = (
+                    FindingKind.DUPLICATE if "duplicate" in problem.reason.lower() else FindingKind.BAD_LINE
+                )
+                findings.append(
+                    BillingFinding(
+                        billing_import=billing_import,
+                        kind=kind,
+                        line=problem.line,
+                        detail=problem.reason[:500],
+                    )
+                )
+            fresh = _store_requests(billing_import, requests, findings)
+            _store_buckets(billing_import, buckets, findings)
+            BillingFinding.objects.bulk_create(findings)
+    except IntegrityError:
+        existing = BillingImport.objects.get(content_sha256=digest)
+        return ImportResult(existing, created=False)
+    # Settlement happens per reservation, each in its own transaction (the ledger's write path).
+    settled_findings = _settle(billing_import, fresh, now)
+    _report_missing(billing_import, requests, settled_findings)
+    BillingFinding.objects.bulk_create(settled_findings)
+    billing_import.settled = sum(1 for f in settled_findings if f.kind == FindingKind.SETTLED)
+    billing_import.findings_count = billing_import.findings.count()
+    billing_import.save(update_fields=["settled", "findings_count"])
+    return ImportResult(billing_import, created=True)
+
+
+def _store_requests(
+    billing_import: BillingImport, records: Sequence[RequestBillingRecord], findings: list[BillingFinding]
+) -> list[RequestBillingRecord]:
+    known = set(
+        BilledRequest.objects.filter(provider_request_id__in=[r.request_id for r in records]).values_list(
+            "provider_request_id", flat=True
+        )
+    )
+    fresh = []
+    for record in records:
+        if record.request_id in known:
+            findings.append(
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=FindingKind.DUPLICATE,
+                    provider_request_id=record.request_id,
+                    line=record.line,
+                    detail="already billed by an earlier import; not counted again",
+                )
+            )
+            continue
+        fresh.append(record)
+    BilledRequest.objects.bulk_create(
+        BilledRequest(
+            billing_import=billing_import,
+            provider_request_id=r.request_id,
+            model=r.model,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            start_time=r.start_time,
+            line=r.line,
+        )
+        for r in fresh
+    )
+    return fresh
+
+
+def _store_buckets(
+    billing_import: BillingImport, records: Sequence[BucketBillingRecord], findings: list[BillingFinding]
+) -> None:
+    for record in records:
+        ours = Reservation.objects.filter(
+            model_revision__name=record.model,
+            dispatched_at__gte=record.bucket_start,
+            dispatched_at__lt=record.bucket_end,
+        ).aggregate(i=Sum("input_consumed"), c=Sum("captured"), o=Sum("overrun"))
+        captured_output = (ours["c"] or 0) + (ours["o"] or 0)
+        drift = BucketDrift(
+            billing_import=billing_import,
+            model=record.model,
+            api_key_id=record.api_key_id or "",
+            bucket_start=record.bucket_start,
+            bucket_end=record.bucket_end,
+            billed_input=record.input_tokens,
+            billed_output=record.output_tokens,
+            captured_input=ours["i"] or 0,
+            captured_output=captured_output,
+        )
+        if BucketDrift.objects.filter(
+            model=drift.model,
+            api_key_id=drift.api_key_id,
+            bucket_start=drift.bucket_start,
+            bucket_end=drift.bucket_end,
+        ).exists():
+            findings.append(
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=FindingKind.DUPLICATE,
+                    line=record.line,
+                    detail=f"bucket {record.model} {record.bucket_start:%Y-%m-%d %H:%M} already imported",
+                )
+            )
+            continue
+        drift.save()
+        if drift.drift_input or drift.drift_output:
+            findings.append(
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=FindingKind.BUCKET_DRIFT,
+                    line=record.line,
+                    detail=f"{record.model} {record.bucket_start:%Y-%m-%d %H:%M}: billed {record.input_tokens}/"
+                    f"{record.output_tokens}, captured {drift.captured_input}/{drift.captured_output} "
+                    f"(drift {drift.drift_input:+d}/{drift.drift_output:+d})",
+                )
+            )
+
+
+def _settle(
+    billing_import: BillingImport, records: Sequence[RequestBillingRecord], now: datetime
+) -> list[BillingFinding]:
+    findings = []
+    by_id = {
+        r.provider_request_id: r
+        for r in Reservation.objects.filter(provider_request_id__in=[rec.request_id for rec in records])
+    }
+    for record in records:
+        reservation = by_id.get(record.request_id)
+        if reservation is None:
+            findings.append(
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=FindingKind.EXTRA,
+                    provider_request_id=record.request_id,
+                    line=record.line,
+                    detail="billed request with no reservation of ours",
+                )
+            )
+            continue
+        if reservation.state in OPEN_AFTER_DISPATCH:
+            evidence = ledger.Evidence(
+                ledger.EvidenceKind.COMPLETED,
+                record.input_tokens,
+                record.output_tokens,
+                source=f"billing import {billing_import.pk}",
+            )
+            if ledger.settle_from_evidence(
+                reservation_id=reservation.pk, fence=None, evidence=evidence, now=now
+            ):
+                findings.append(
+                    BillingFinding(
+                        billing_import=billing_import,
+                        kind=FindingKind.SETTLED,
+                        provider_request_id=record.request_id,
+                        line=record.line,
+                        detail=f"settled at billed {record.input_tokens}/{record.output_tokens}",
+                    )
+                )
+                continue
+            reservation.refresh_from_db()
+        ours = (reservation.input_consumed, reservation.captured + reservation.overrun)
+        billed = (record.input_tokens, record.output_tokens)
+        kind = FindingKind.MATCHED if ours == billed else FindingKind.MISMATCH
+        findings.append(
+            BillingFinding(
+                billing_import=billing_import,
+                kind=kind,
+                provider_request_id=record.request_id,
+                line=record.line,
+                detail=f"billed {billed[0]}/{billed[1]}, settled {ours[0]}/{ours[1]} ({reservation.state})",
+            )
+        )
+    return findings
+
+
+def _report_missing(
+    billing_import: BillingImport, records: Sequence[RequestBillingRecord], findings: list[BillingFinding]
+) -> None:
+    if not records:
+        return
+    start = min(r.start_time for r in records)
+    end = max(r.start_time for r in records)
+    billed = set(BilledRequest.objects.values_list("provider_request_id", flat=True))
+    dispatched = (
+        Reservation.objects.filter(dispatched_at__gte=start, dispatched_at__lte=end)
+        .exclude(provider_request_id="")
+        .values_list("provider_request_id", "outcome")
+    )
+    for provider_request_id, outcome in dispatched:
+        if provider_request_id not in billed and outcome != "RELEASED":
+            findings.append(
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=FindingKind.MISSING,
+                    provider_request_id=provider_request_id,
+                    detail="dispatched in the export's period but not billed",
+                )
+            )
