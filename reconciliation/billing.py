@@ -1,8 +1,8 @@
 """Importing provider billing exports and reconciling them with the ledger.
 
 Per-request records settle RECONCILING (and still-open dispatched) reservations at the billed usage through
-correcting ledger entries; settled ones are compared and any difference is recorded. Bucket records are compared
-with what we captured for that model and UTC bucket. Importing the same export twice changes nothing (content
+correcting ledger entries; settled ones are compared and any difference is recorded. Bucket records are
+compared with what we captured for that model and UTC bucket. Importing the same export twice changes nothing (content
 digest), a request billed twice is flagged and counted once, and missing or extra requests are reported.
 """
 
@@ -164,7 +164,8 @@ def _store_buckets(
                     billing_import=billing_import,
                     kind=FindingKind.BUCKET_DRIFT,
                     line=record.line,
-                    detail=f"{record.model} {record.bucket_start:%Y-%m-%d %H:%M}: billed {record.input_tokens}/"
+                    detail=f"{record.model} {record.bucket_start:%Y-%m-%d %H:%M}: "
+                    f"billed {record.input_tokens}/"
                     f"{record.output_tokens}, captured {drift.captured_input}/{drift.captured_output} "
                     f"(drift {drift.drift_input:+d}/{drift.drift_output:+d})",
                 )

@@ -95,7 +95,7 @@ def test_unexpired_leases_are_left_alone(world, sim):
 
 
 def test_dispatched_and_completed_at_the_provider_is_settled_at_billed_usage(world, sim):
-    cat, account = world
+    cat, _ = world
     r = dispatched(cat)
     call_provider(sim, r.provider_request_id, max_tokens=20)
     billed = sim.entry(r.provider_request_id)
