@@ -2,8 +2,9 @@
 
 Per-request records settle RECONCILING (and still-open dispatched) reservations at the billed usage through
 correcting ledger entries; settled ones are compared and any difference is recorded. Bucket records are
-compared with what we captured for that model and UTC bucket. Importing the same export twice changes nothing (content
-digest), a request billed twice is flagged and counted once, and missing or extra requests are reported.
+compared with what we captured for that model and UTC bucket. Importing the same export twice changes nothing
+(content digest), a request billed twice is flagged and counted once, and missing or extra requests are
+reported.
 """
 
 from __future__ import annotations
