@@ -37,6 +37,7 @@ from budgeting.tokenizer_assets import sha256_file
 from ladder.counting import upper_bound_rule
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
+from ledger.services import forget_account_cache
 
 T = TypeVar("T")
 CAPABILITIES = {"tools", "json_schema", "vision"}
@@ -466,4 +467,5 @@ def apply_config(
                 report.note("policy aliases", "created")
             else:
                 report.note("policy aliases", "unchanged")
+    forget_account_cache()
     return report

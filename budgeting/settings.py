@@ -210,6 +210,8 @@ COUNT_CACHE_TTL_SECONDS = env_int("COUNT_CACHE_TTL_SECONDS", 7 * 24 * 3600, mini
 # Tokenizer files: fetched at install time into this folder, never at run time.
 TOKENIZER_DIR = Path(env("TOKENIZER_DIR", str(VAR_DIR / "tokenizers")) or "")
 LEASE_SECONDS = env_int("LEASE_SECONDS", 120, minimum=1)
+# How long a process reuses the list of accounts that apply to (tenant, task class, pool).
+ACCOUNT_CACHE_SECONDS = env_int("ACCOUNT_CACHE_SECONDS", 5, minimum=0)
 
 LOGGING = {
     "version": 1,

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers as drf_serializers
 from rest_framework.request import Request
@@ -41,7 +42,7 @@ ERRORS: dict[Any, Any] = {
     (status, "application/problem+json"): ProblemOut
     for status in (400, 401, 404, 409, 413, 415, 422, 429, 503)
 }
-AnyObject = drf_serializers.DictField()
+AnyObject = OpenApiTypes.OBJECT
 
 
 class TenantScopedView(APIView):

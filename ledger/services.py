@@ -8,6 +8,7 @@ account balance change, and saves. Domain errors are ``Problem`` subclasses with
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
 
 from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from budgeting.problems import Conflict, NotFound, Problem, Unavailable
@@ -50,31 +51,31 @@ class QuotaExceeded(Problem):
     title = "Not enough capacity on an account"
 
 
-class StaleFence(Problem):
+class StaleFence(Conflict):
     status = 409
     code = "STALE_FENCE"
     title = "The lease fence is not the reservation's current fence"
 
 
-class InvalidTransition(Problem):
+class InvalidTransition(Conflict):
     status = 409
     code = "INVALID_TRANSITION"
     title = "The reservation's state does not allow this"
 
 
-class UsageEventConflict(Problem):
+class UsageEventConflict(Conflict):
     status = 409
     code = "USAGE_EVENT_CONFLICT"
     title = "This usageEventId was already recorded with different amounts"
 
 
-class PayloadChanged(Problem):
+class PayloadChanged(Conflict):
     status = 409
     code = "PAYLOAD_CHANGED"
     title = "The dispatched payload is not the admitted one"
 
 
-class IdempotencyConflict(Problem):
+class IdempotencyConflict(Conflict):
     status = 409
     code = "IDEMPOTENCY_CONFLICT"
     title = "This Idempotency-Key was used for a different request"
@@ -110,14 +111,41 @@ def _current_period_start(account: CapacityAccount, now: datetime) -> datetime:
     return period_start_for(account.period, now)
 
 
+_ACCOUNTS: dict[tuple[int, int, int], tuple[float, list[CapacityAccount]]] = {}
+_ACCOUNTS_LOCK = threading.Lock()
+
+
 def applicable_accounts(
     *, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
 ) -> list[CapacityAccount]:
     """The accounts a request for (tenant, task class, pool) holds on, in lock order.
 
+    Which accounts apply is cached per process for ACCOUNT_CACHE_SECONDS (limits and balances are always read
+    inside the reserving UPDATE, so only a newly provisioned account waits that long to take effect).
     A tenant × task-class account that does not exist yet is created from the task class's defaults; many
     threads doing it at once is safe (INSERT … ON CONFLICT DO NOTHING on the partial unique index).
     """
+    key = (tenant.pk, task_class.pk, pool.pk)
+    with _ACCOUNTS_LOCK:
+        cached = _ACCOUNTS.get(key)
+    if cached is not None and cached[0] > time.monotonic():
+        accounts = cached[1]
+    else:
+        accounts = _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
+        with _ACCOUNTS_LOCK:
+            _ACCOUNTS[key] = (time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
+    if any(account.period_start < _current_period_start(account, now) for account in accounts):
+        for account in accounts:
+            roll_over(account_id=account.pk, now=now)
+        accounts = _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
+        with _ACCOUNTS_LOCK:
+            _ACCOUNTS[key] = (time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
+    return accounts
+
+
+def _load_accounts(
+    *, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
+) -> list[CapacityAccount]:
     defaults = task_class.tenant_account_defaults
     if (
         defaults
@@ -141,15 +169,18 @@ def applicable_accounts(
             ],
             ignore_conflicts=True,
         )
-    accounts = list(
-        CapacityAccount.objects.filter(scope=Scope.TENANT, tenant=tenant)
-        | CapacityAccount.objects.filter(scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class)
-        | CapacityAccount.objects.filter(scope=Scope.POOL, pool=pool)
-    )
-    for account in accounts:
-        if account.period_start < _current_period_start(account, now):
-            roll_over(account_id=account.pk, now=now)
+    accounts = CapacityAccount.objects.filter(
+        Q(scope=Scope.TENANT, tenant=tenant)
+        | Q(scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class)
+        | Q(scope=Scope.POOL, pool=pool)
+    ).select_related("tenant", "task_class", "pool")
     return sorted(accounts, key=lambda a: a.pk)
+
+
+def forget_account_cache() -> None:
+    """Drop the cached account lists (after provisioning or when an account is created or removed)."""
+    with _ACCOUNTS_LOCK:
+        _ACCOUNTS.clear()
 
 
 def roll_over(*, account_id: int, now: datetime) -> bool:
@@ -174,29 +205,6 @@ def roll_over(*, account_id: int, now: datetime) -> bool:
             period_start=start, input_consumed=0, output_consumed=0
         )
         return True
-
-
-def _reserve_on(account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int) -> bool:
-    """Reserve on one account with one conditional UPDATE.
-
-    Race-free under Read Committed: PostgreSQL re-evaluates the WHERE clause on the latest row version after
-    waiting for a concurrent writer, so two transactions can never both pass the check on stale balances.
-    """
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            UPDATE ledger_capacityaccount
-               SET input_reserved = input_reserved + %(i)s,
-                   output_reserved = output_reserved + %(o)s,
-                   in_flight = in_flight + %(c)s
-             WHERE id = %(id)s
-               AND (input_limit IS NULL OR input_reserved + input_consumed + %(i)s <= input_limit)
-               AND (output_limit IS NULL OR output_reserved + output_consumed + %(o)s <= output_limit)
-               AND (concurrency_limit IS NULL OR %(c)s = 0 OR in_flight + %(c)s <= concurrency_limit)
-            """,
-            {"id": account.pk, "i": input_tokens, "o": output_tokens, "c": concurrency},
-        )
-        return cursor.rowcount == 1
 
 
 def _shortage(
@@ -332,11 +340,8 @@ def reserve(
     queues, or the earlier reservation for the same idempotency key (replayed=True).
     Raises QuotaExceeded (nothing written), IdempotencyConflict, or Unavailable after repeated contention.
     """
-    earlier = find_by_idempotency_key(
-        tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
-    )
-    if earlier is not None:
-        return Admitted(earlier, replayed=True)
+    # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
+    # common path of a new key one query shorter.
     accounts = applicable_accounts(tenant=spec.tenant, task_class=spec.task_class, pool=spec.pool, now=now)
 
     def attempt() -> Reservation:
@@ -370,11 +375,8 @@ def reserve(
             # The insert comes first: a concurrent retry of the same key waits here on the unique index and
             # then fails, before it touches any account.
             reservation.save(force_insert=True)
-            for account in accounts:
-                if not _reserve_on(
-                    account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
-                ):
-                    raise _ShortageSignal(account)
+            # Inserts first, then the hot rows: the account locks are held only from the one UPDATE below
+            # to COMMIT, with no Python work in between.
             Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
             _entries(
                 reservation,
@@ -384,6 +386,14 @@ def reserve(
                 output_reserved=spec.output_tokens,
                 in_flight=1,
             )
+            short = locks.reserve_on_accounts(
+                [a.pk for a in accounts],
+                input_tokens=spec.input_tokens,
+                output_tokens=spec.output_tokens,
+                concurrency=1,
+            )
+            if short is not None:
+                raise _ShortageSignal(next(a for a in accounts if a.pk == short))
             return reservation
 
     try:
@@ -487,17 +497,18 @@ def admit_queued(
             reservation.response_body = build_body(reservation)
             reservation.save()
             return reservation
-        sid = transaction.savepoint()
-        for account in accounts:
-            if not _reserve_on(
-                account,
-                input_tokens=reservation.input_reserved,
-                output_tokens=reservation.output_reserved,
-                concurrency=1,
-            ):
-                transaction.savepoint_rollback(sid)
-                return None
-        transaction.savepoint_commit(sid)
+        # The one UPDATE may have held on the other accounts when one is short: undo exactly that.
+        savepoint = transaction.savepoint()
+        short = locks.reserve_on_accounts(
+            [a.pk for a in accounts],
+            input_tokens=reservation.input_reserved,
+            output_tokens=reservation.output_reserved,
+            concurrency=1,
+        )
+        if short is not None:
+            transaction.savepoint_rollback(savepoint)
+            return None
+        transaction.savepoint_commit(savepoint)
         reservation.admit_from_queue()
         reservation.concurrency_held = True
         reservation.failure_reason = ""
@@ -772,9 +783,11 @@ def top_up(
             accounts = list(
                 CapacityAccount.objects.filter(pk__in=_held_account_ids(reservation)).order_by("pk")
             )
-            for account in accounts:
-                if not _reserve_on(account, input_tokens=0, output_tokens=output_tokens, concurrency=0):
-                    raise _ShortageSignal(account)
+            short = locks.reserve_on_accounts(
+                [a.pk for a in accounts], input_tokens=0, output_tokens=output_tokens, concurrency=0
+            )
+            if short is not None:
+                raise _ShortageSignal(next(a for a in accounts if a.pk == short))
             _entries(reservation, accounts, EntryKind.TOP_UP, output_reserved=output_tokens)
             TopUp.objects.create(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens)
             reservation.top_ups += output_tokens

@@ -17,3 +17,13 @@ def redis_db():
     yield client
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)
+
+
+@pytest.fixture(autouse=True)
+def fresh_account_cache():
+    """Each test provisions its own accounts; the per-process list of applicable accounts starts empty."""
+    from ledger.services import forget_account_cache
+
+    forget_account_cache()
+    yield
+    forget_account_cache()
