@@ -182,6 +182,12 @@ def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> M
                 "policyRevision": r.policy_revision,
                 "estimator": ESTIMATOR_REVISION,
                 "templateRevision": decision.template_revision,
+                "globalCap": r.global_cap,
+                "requestedModelSpec": {
+                    "contextWindow": r.model.context_window,
+                    "maxOutput": r.model.max_output,
+                    "tokenizerDigest": r.model.tokenizer.digest,
+                },
             },
             **decision.to_manifest(),
         },

@@ -292,34 +292,44 @@ def count_stream(
     *,
     template_revision: str,
     image_formula: ImageFormula,
+    memo: dict[str, int] | None = None,
 ) -> Count:
     """Count a rendered stream: cached segments are reused, all misses go to the counter in one call.
+
+    ``memo`` (text → count) is consulted before the cache and filled from it: the recounts of one ladder walk
+    then neither hash keys nor ask the cache again for a text already seen. It must only ever hold counts of
+    this ``counter`` under this ``template_revision``.
 
     Raises CountingUnavailable when the counter fails, TemplateError when the stream breaks the boundary rule
     (its segment counts would not add up), and ValueError if the counter answers with the wrong shape.
     """
     check_boundaries(pieces)
-    texts: dict[str, int] = {}
+    texts: dict[str, int] = {} if memo is None else memo
+    unique: list[str] = []
+    asked: set[str] = set()
     for piece in pieces:
         if isinstance(piece, Special | Image):
             continue
-        texts.setdefault(piece.text, 0)
-    unique = list(texts)
-    keys = [cache_key(counter.digest, template_revision, text) for text in unique]
-    cached = cache.get_many(keys)
-    missing = [index for index, value in enumerate(cached) if value is None]
-    for text, value in zip(unique, cached, strict=True):
-        if value is not None:
-            texts[text] = value
-    if missing:
-        counted = counter.count_many([unique[index] for index in missing])
-        if len(counted) != len(missing) or any(type(n) is not int or n < 0 for n in counted):
-            raise ValueError("counter returned a malformed answer")
-        fresh: dict[str, int] = {}
-        for index, value in zip(missing, counted, strict=True):
-            texts[unique[index]] = value
-            fresh[keys[index]] = value
-        cache.set_many(fresh)
+        text = piece.text
+        if text not in texts and text not in asked:
+            asked.add(text)
+            unique.append(text)
+    if unique:
+        keys = [cache_key(counter.digest, template_revision, text) for text in unique]
+        cached = cache.get_many(keys)
+        missing = [index for index, value in enumerate(cached) if value is None]
+        for text, value in zip(unique, cached, strict=True):
+            if value is not None:
+                texts[text] = value
+        if missing:
+            counted = counter.count_many([unique[index] for index in missing])
+            if len(counted) != len(missing) or any(type(n) is not int or n < 0 for n in counted):
+                raise ValueError("counter returned a malformed answer")
+            fresh: dict[str, int] = {}
+            for index, value in zip(missing, counted, strict=True):
+                texts[unique[index]] = value
+                fresh[keys[index]] = value
+            cache.set_many(fresh)
 
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}

@@ -44,7 +44,7 @@ from ladder.rungs import (
     minimum_evidence_ids,
     trim_order,
 )
-from ladder.templates import TEMPLATE_BUCKET, ChatTemplate, get_template
+from ladder.templates import TEMPLATE_BUCKET, ChatTemplate, RenderMemo, get_template
 
 ESTIMATOR_REVISION = "ladder/1"
 
@@ -260,13 +260,19 @@ class _Route:
     budget: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Target:
-    """A route with the counter that counts for it."""
+    """A route with the counter that counts for it.
+
+    ``render_memo`` (shared by every target of one walk: messages do not depend on the template) and
+    ``counts`` (this counter's counts under this template) only save work across the walk's recounts.
+    """
 
     route: _Route
     counter: SegmentCounter
     cache: CountCache
+    render_memo: RenderMemo = field(default_factory=RenderMemo)
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def model(self) -> ModelSpec:
@@ -277,13 +283,14 @@ class _Target:
         return self.route.budget
 
     def count(self, components: Components) -> Count:
-        pieces = self.route.template.render(components)
+        pieces = self.route.template.render(components, self.render_memo)
         return count_stream(
             pieces,
             self.counter,
             self.cache,
             template_revision=self.route.template.revision,
             image_formula=self.route.model.image_formula,
+            memo=self.counts,
         )
 
 
@@ -499,7 +506,7 @@ def _smaller_model(
             continue
         route = _route(candidate, requested_max_output, policy, global_cap)
         try:
-            target = _Target(route, _counter(counter_for, candidate), current.cache)
+            target = _Target(route, _counter(counter_for, candidate), current.cache, current.render_memo)
             counted = target.count(walk.state)
         except CountingUnavailable:
             checks.append(CandidateCheck(candidate.id, ("counting",), None, route.budget))
@@ -582,8 +589,9 @@ def decide(
         steps: Sequence[LadderStep] = (),
         removed: Sequence[RemovedObject] = (),
         minimum_needed: int | None = None,
+        memo: RenderMemo | None = None,
     ) -> Decision:
-        payload = dict(route.template.payload(state))
+        payload = dict(route.template.payload(state, memo))
         payload["model"] = route.model.id
         payload["max_tokens"] = route.max_output
         return Decision(
@@ -633,7 +641,7 @@ def decide(
             )
 
     try:
-        target = _Target(route, _counter(counter_for, model), cache)
+        target = _Target(route, _counter(counter_for, model), cache, RenderMemo())
         walk = _Walk(target, base, target.count(base))
         tried: list[Rung] = ["FULL"]
         if not walk.fits:
@@ -666,6 +674,7 @@ def decide(
                 tried,
                 steps=walk.steps,
                 removed=walk.removed,
+                memo=final.render_memo,
             )
         # Only a fitting fallback is ever switched to, so the walk is still on the requested model here.
         minimum_needed = target.count(_minimal(base, permitted, task_policy)).total
@@ -681,6 +690,7 @@ def decide(
             steps=walk.steps,
             removed=walk.removed,
             minimum_needed=minimum_needed,
+            memo=final.render_memo,
         )
     except CountingUnavailable as exc:
         unavailable = str(exc)

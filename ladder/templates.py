@@ -18,19 +18,21 @@ from __future__ import annotations
 import itertools
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, TypeVar
 
 from ladder.components import (
     Compaction,
     Components,
+    EvidenceItem,
     ImagePart,
     Part,
     Parts,
     TextPart,
     Tool,
     ToolCall,
+    TrustedStateItem,
     Turn,
     canonical_json,
 )
@@ -146,7 +148,60 @@ def _turn_messages(turn: Turn) -> Iterator[_Message]:
         yield _message("user", "recentTurns", oid, turn.parts)
 
 
-def _history(components: Components) -> Iterator[_Message]:
+_Item = TypeVar("_Item")
+
+
+class RenderMemo:
+    """The messages already laid out for component objects, reused by the re-renders of one ladder walk.
+
+    Rungs build new ``Components`` but share the item objects (an evidence item, a turn, a tool), so the
+    messages of an item, and the very text strings the count memo looks up, are made once per decision.
+    Entries are keyed by object identity and hold the object, so an id can never be reused while cached.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[object, tuple[_Message, ...]]] = {}
+
+    def get(self, item: _Item, build: Callable[[_Item], Iterable[_Message]]) -> tuple[_Message, ...]:
+        """Return ``build(item)`` as a tuple, built on the first request for this object."""
+        entry = self._entries.get(id(item))
+        if entry is not None and entry[0] is item:
+            return entry[1]
+        built = tuple(build(item))
+        self._entries[id(item)] = (item, built)
+        return built
+
+
+def _each(
+    memo: RenderMemo | None, item: _Item, build: Callable[[_Item], Iterable[_Message]]
+) -> Iterable[_Message]:
+    return build(item) if memo is None else memo.get(item, build)
+
+
+def _tool_messages(tool: Tool) -> tuple[_Message]:
+    definition = (TextPart(_tool_definition_text(tool)),)
+    return (_message("system", "tools", object_id("tools", tool.name), definition, in_payload=False),)
+
+
+def _state_messages(state: TrustedStateItem) -> tuple[_Message]:
+    parts = _labelled(f"[state id={state.id} provenance={state.provenance}]", (TextPart(state.text),))
+    return (_message("system", "trustedState", object_id("trustedState", state.id), parts),)
+
+
+def _evidence_messages(item: EvidenceItem) -> tuple[_Message]:
+    parts = _labelled(f"[evidence id={item.id} source={item.source_id}]", item.parts)
+    return (_message("system", "evidence", object_id("evidence", item.id), parts),)
+
+
+def _compaction_messages(compaction: Compaction) -> tuple[_Message]:
+    first, last = compaction.replaces_turns[0], compaction.replaces_turns[-1]
+    parts = _labelled(f"[summary of turns {first}-{last}]", compaction.parts)
+    return (_message("system", "recentTurns", object_id("compactions", compaction.id), parts),)
+
+
+def _history(components: Components, memo: RenderMemo | None = None) -> Iterator[_Message]:
     """Turns in order, with each applied compaction in place of the turns it replaced.
 
     A compaction whose turns are all still present is only on offer and is not rendered; one whose turns are
@@ -168,15 +223,13 @@ def _history(components: Components) -> Iterator[_Message]:
     entries.extend((compaction.replaces_turns[0], compaction) for compaction in applied)
     for _, entry in sorted(entries, key=lambda item: item[0]):
         if isinstance(entry, Turn):
-            yield from _turn_messages(entry)
-            continue
-        first, last = entry.replaces_turns[0], entry.replaces_turns[-1]
-        parts = _labelled(f"[summary of turns {first}-{last}]", entry.parts)
-        yield _message("system", "recentTurns", object_id("compactions", entry.id), parts)
+            yield from _each(memo, entry, _turn_messages)
+        else:
+            yield from _each(memo, entry, _compaction_messages)
 
 
-def messages(components: Components) -> tuple[_Message, ...]:
-    """Lay the components out as messages, in the order the model reads them.
+def messages(components: Components, memo: RenderMemo | None = None) -> tuple[_Message, ...]:
+    """Lay the components out as messages, in the order the model reads them (``memo``: see RenderMemo).
 
     Raises TemplateError for an inconsistent history (a compaction applied over turns still present).
     """
@@ -191,18 +244,15 @@ def messages(components: Components) -> tuple[_Message, ...]:
         schema = (TextPart("Output JSON schema: " + components.output_schema_json),)
         out.append(_message("system", "outputSchema", "outputSchema", schema, in_payload=False))
     for tool in components.tools:
-        definition = (TextPart(_tool_definition_text(tool)),)
-        out.append(_message("system", "tools", object_id("tools", tool.name), definition, in_payload=False))
+        out.extend(_each(memo, tool, _tool_messages))
     if components.workflow_instruction is not None:
         instruction = (TextPart(components.workflow_instruction),)
         out.append(_message("system", "tools", object_id("tools", "workflowInstruction"), instruction))
     for state in components.trusted_state:
-        parts = _labelled(f"[state id={state.id} provenance={state.provenance}]", (TextPart(state.text),))
-        out.append(_message("system", "trustedState", object_id("trustedState", state.id), parts))
+        out.extend(_each(memo, state, _state_messages))
     for item in components.evidence:
-        parts = _labelled(f"[evidence id={item.id} source={item.source_id}]", item.parts)
-        out.append(_message("system", "evidence", object_id("evidence", item.id), parts))
-    out.extend(_history(components))
+        out.extend(_each(memo, item, _evidence_messages))
+    out.extend(_history(components, memo))
     out.append(_message("user", "question", "question", components.question))
     return tuple(out)
 
@@ -217,14 +267,14 @@ def _content_json(segment: _Segment) -> dict[str, object]:
     return {"type": "image", "ref": segment.image_ref, "width": part.width, "height": part.height}
 
 
-def build_payload(components: Components) -> dict[str, object]:
+def build_payload(components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
     """Return the OpenAI-style provider payload: ``messages``, plus ``tools`` and ``response_format`` if any.
 
     The gateway adds the model id and ``max_tokens``; ``ladder.decide`` does so in the admitted payload.
     Raises TemplateError like ``messages``.
     """
     out_messages: list[dict[str, object]] = []
-    for message in messages(components):
+    for message in messages(components, memo):
         if not message.in_payload:
             continue
         content = [_content_json(segment) for segment in message.segments]
@@ -303,18 +353,18 @@ class ChatTemplate(ABC):
     revision: str
     specials: frozenset[str]
 
-    def render(self, components: Components) -> tuple[Piece, ...]:
-        """Return the token stream the model sees for ``components``.
+    def render(self, components: Components, memo: RenderMemo | None = None) -> tuple[Piece, ...]:
+        """Return the token stream the model sees for ``components`` (``memo``: see RenderMemo).
 
         Raises TemplateError if the stream would break the boundary rule or the ladder state is inconsistent.
         """
-        pieces = tuple(self._stream(messages(components)))
+        pieces = tuple(self._stream(messages(components, memo)))
         check_boundaries(pieces)
         return pieces
 
-    def payload(self, components: Components) -> dict[str, object]:
+    def payload(self, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
         """Return the provider payload (the same for every family: OpenAI-style chat completions)."""
-        return build_payload(components)
+        return build_payload(components, memo)
 
     @abstractmethod
     def _stream(self, message_list: tuple[_Message, ...]) -> Iterator[Piece]:

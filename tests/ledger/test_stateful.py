@@ -39,6 +39,7 @@ class Model:
     released: int = 0
     overrun: int = 0
     held: bool = True
+    dispatched: bool = False
     reason: str = ""
     events: dict[str, tuple[int, bool]] = field(default_factory=dict)
     top_up_ids: dict[str, int] = field(default_factory=dict)
@@ -119,8 +120,8 @@ class LedgerMachine(RuleBasedStateMachine):
         )
         if model.state == "RESERVED":
             assert err is None
-            model.state, model.consumed = "DISPATCHED", model.input
-        elif model.consumed and model.state != "RESERVED" and model.reason != "released":
+            model.state, model.consumed, model.dispatched = "DISPATCHED", model.input, True
+        elif model.dispatched:
             assert err is None, "repeating the same dispatch is a no-op"
         else:
             assert isinstance(err, services.InvalidTransition)
