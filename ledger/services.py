@@ -331,6 +331,41 @@ def find_by_idempotency_key(
     return existing
 
 
+def _new_reservation(spec: AdmissionSpec, state: str, **fields: Any) -> Reservation:
+    return Reservation(
+        id=uuid.uuid4(),
+        tenant=spec.tenant,
+        task_class=spec.task_class,
+        model_pool=spec.pool,
+        model_revision=spec.model_revision,
+        request_id=spec.request_id,
+        idempotency_key=spec.idempotency_key,
+        rendered_digest=spec.rendered_digest,
+        admitted_digest=spec.admitted_digest,
+        manifest_id=spec.manifest_id,
+        policy_revision=spec.policy_revision,
+        rung=spec.rung,
+        mode=RolloutMode.ENFORCE,
+        state=state,
+        input_reserved=spec.input_tokens,
+        output_reserved=spec.output_tokens,
+        remaining=spec.output_tokens,
+        minimum_evidence_ids=list(spec.minimum_evidence_ids),
+        **fields,
+    )
+
+
+def _replay_of(spec: AdmissionSpec, error: IntegrityError) -> Admitted:
+    """After an insert was refused: the earlier reservation for this key (or its conflict); any other
+    integrity error is raised again."""
+    earlier = find_by_idempotency_key(
+        tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
+    )
+    if earlier is None:
+        raise error
+    return Admitted(earlier, replayed=True)
+
+
 def reserve(
     *, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
 ) -> Admitted:
@@ -348,28 +383,11 @@ def reserve(
         with transaction.atomic(durable=True):
             db_now = locks.db_now()
             assert isinstance(db_now, datetime)
-            reservation = Reservation(
-                id=uuid.uuid4(),
-                tenant=spec.tenant,
-                task_class=spec.task_class,
-                model_pool=spec.pool,
-                model_revision=spec.model_revision,
-                request_id=spec.request_id,
-                idempotency_key=spec.idempotency_key,
-                rendered_digest=spec.rendered_digest,
-                admitted_digest=spec.admitted_digest,
-                manifest_id=spec.manifest_id,
-                policy_revision=spec.policy_revision,
-                rung=spec.rung,
-                mode=RolloutMode.ENFORCE,
-                state=State.RESERVED,
-                input_reserved=spec.input_tokens,
-                output_reserved=spec.output_tokens,
-                remaining=spec.output_tokens,
+            reservation = _new_reservation(
+                spec,
+                State.RESERVED,
                 concurrency_held=True,
-                fence=1,
                 lease_expires_at=db_now + timedelta(seconds=settings.LEASE_SECONDS),
-                minimum_evidence_ids=list(spec.minimum_evidence_ids),
             )
             reservation.response_body = build_body(reservation)
             # The insert comes first: a concurrent retry of the same key waits here on the unique index and
@@ -398,13 +416,8 @@ def reserve(
 
     try:
         return Admitted(with_retries(attempt), replayed=False)
-    except IntegrityError:
-        earlier = find_by_idempotency_key(
-            tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
-        )
-        if earlier is None:
-            raise
-        return Admitted(earlier, replayed=True)
+    except IntegrityError as error:
+        return _replay_of(spec, error)
     except _ShortageSignal as signal:
         problem = _shortage(
             signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
@@ -434,38 +447,18 @@ def _enqueue(
         with transaction.atomic(durable=True):
             db_now = locks.db_now()
             assert isinstance(db_now, datetime)
-            reservation = Reservation(
-                id=uuid.uuid4(),
-                tenant=spec.tenant,
-                task_class=spec.task_class,
-                model_pool=spec.pool,
-                model_revision=spec.model_revision,
-                request_id=spec.request_id,
-                idempotency_key=spec.idempotency_key,
-                rendered_digest=spec.rendered_digest,
-                admitted_digest=spec.admitted_digest,
-                manifest_id=spec.manifest_id,
-                policy_revision=spec.policy_revision,
-                rung=spec.rung,
-                state=State.PROPOSED,
-                input_reserved=spec.input_tokens,
-                output_reserved=spec.output_tokens,
-                remaining=spec.output_tokens,
+            reservation = _new_reservation(
+                spec,
+                State.PROPOSED,
                 queue_deadline=db_now + timedelta(seconds=spec.queue_deadline_seconds),
                 request_body=spec.request_body,
-                minimum_evidence_ids=list(spec.minimum_evidence_ids),
                 failure_reason=problem.detail,
             )
             reservation.response_body = build_body(reservation)
             reservation.save(force_insert=True)
             return Admitted(reservation, replayed=False)
-    except IntegrityError:
-        earlier = find_by_idempotency_key(
-            tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
-        )
-        if earlier is None:
-            raise
-        return Admitted(earlier, replayed=True)
+    except IntegrityError as error:
+        return _replay_of(spec, error)
 
 
 def admit_queued(
