@@ -17,5 +17,6 @@ app.conf.beat_schedule = {
     "lookup-unknown-outcomes": {"task": "reconciliation.lookup_unknown_outcomes", "schedule": 30.0},
     "admit-queued": {"task": "reconciliation.admit_queued", "schedule": 2.0},
     "audit-ledger": {"task": "reconciliation.audit_ledger", "schedule": 300.0},
+    "import-provider-billing": {"task": "reconciliation.import_provider_billing", "schedule": 300.0},
     "roll-periods": {"task": "reconciliation.roll_periods", "schedule": 600.0},
 }
