@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -15,6 +13,7 @@ from reconciliation import services as reconciliation
 from reconciliation.providers import SimulatorLookup
 from reconciliation.simulator import Simulator
 from tests.ledger.helpers import admit, catalog, now, run_concurrently, spec, tenant_account
+from tests.reconciliation.helpers import call_provider, dispatched, expire
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,40 +37,6 @@ def world(sim):
 
 def lookup_for(sim):
     return lambda pool_id: SimulatorLookup(sim.base_url, timeout=2)
-
-
-def expire(reservation: Reservation) -> None:
-    Reservation.objects.filter(pk=reservation.pk).update(lease_expires_at=now() - timedelta(seconds=1))
-
-
-def dispatched(cat, provider_id: str | None = None) -> Reservation:
-    r = admit(spec(cat, input_tokens=100, output_tokens=50)).reservation
-    return services.dispatch(
-        reservation_id=r.pk,
-        tenant_ids=[cat.tenant.pk],
-        fence=1,
-        provider_request_id=provider_id or f"prov-{r.pk}",
-        admitted_digest=r.admitted_digest,
-        now=now(),
-    )
-
-
-def call_provider(sim, provider_id: str, max_tokens: int = 20) -> None:
-    body = json.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens}
-    ).encode()
-    request = urllib.request.Request(
-        f"{sim.base_url}/v1/chat/completions",
-        data=body,
-        method="POST",
-        headers={
-            "Content-Type": "application/json",
-            "X-Request-Id": provider_id,
-            "Authorization": "Bearer sk-test",
-        },
-    )
-    with urllib.request.urlopen(request, timeout=5) as response:
-        response.read()
 
 
 def test_expired_reserved_without_dispatch_record_is_released_in_full(world, sim):
