@@ -16,8 +16,9 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import redis
 
@@ -47,7 +48,8 @@ class BenchCache:
         self.client = client
 
     def get_many(self, keys: Sequence[str]) -> list[int | None]:
-        return [None if v is None else int(v) for v in self.client.mget(["bench:" + k for k in keys])]
+        values = cast(list[bytes | None], self.client.mget(["bench:" + k for k in keys]))
+        return [None if v is None else int(v) for v in values]
 
     def set_many(self, mapping: Mapping[str, int]) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -107,7 +109,7 @@ def request(seed: int) -> dict[str, object]:
     }
 
 
-def median_seconds(fn, rounds: int = ROUNDS) -> float:
+def median_seconds(fn: Callable[[], object], rounds: int = ROUNDS) -> float:
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()

@@ -7,6 +7,7 @@ locks only for the conditional updates and inserts.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -14,7 +15,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from budgeting import catalog
+from budgeting import catalog, metrics
 from budgeting.counting import RedisCountCache
 from budgeting.models import Manifest, ModelRevision, RolloutMode, Tenant
 from budgeting.problems import Conflict, InvalidInput, NotFound, Problem, Unavailable
@@ -84,8 +85,9 @@ def _resolve(tenants: QuerySet[Tenant], envelope: dict[str, Any]) -> Context:
 
 def _run_ladder(ctx: Context) -> Decision:
     r = ctx.resolved
+    started = time.perf_counter()
     try:
-        return decide(
+        decision = decide(
             ctx.components,
             request_id=ctx.envelope["requestId"],
             model=r.model_spec,
@@ -98,6 +100,8 @@ def _run_ladder(ctx: Context) -> Decision:
         )
     except CountingUnavailable as exc:
         raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", headers={"Retry-After": "5"}) from None
+    metrics.observe_ladder_latency(time.perf_counter() - started)
+    return decision
 
 
 def in_ramp(request_id: str, percent: int) -> bool:
@@ -250,6 +254,23 @@ def queued_body(reservation: Reservation) -> dict[str, Any]:
 def admit(
     *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
+    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises Problem subclasses.
+
+    Its latency is observed per rung (``REJECTED`` for a refusal) for the metrics.
+    """
+    started = time.perf_counter()
+    try:
+        result = _admit(tenants=tenants, envelope=envelope, raw=raw, idempotency_key=idempotency_key, now=now)
+    except Problem:
+        metrics.observe_admission_latency(time.perf_counter() - started, "REJECTED")
+        raise
+    metrics.observe_admission_latency(time.perf_counter() - started, str(result.body.get("rung", "NONE")))
+    return result
+
+
+def _admit(
+    *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
+) -> Result:
     """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises Problem subclasses."""
     if not idempotency_key or len(idempotency_key) > 200:
         raise InvalidInput(
@@ -333,6 +354,13 @@ def _answer(reservation: Reservation) -> Result:
 
 
 def _replay(reservation: Reservation) -> Result:
+    if reservation.state == State.REJECTED:
+        raise Conflict(
+            f"this Idempotency-Key's request was queued and then rejected ({reservation.failure_reason}); "
+            "send it again with a new key",
+            code="QUEUE_DEADLINE_PASSED",
+            reservationId=str(reservation.pk),
+        )
     result = _answer(reservation)
     if result.status == 201:
         result.status = 200

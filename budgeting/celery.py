@@ -18,5 +18,6 @@ app.conf.beat_schedule = {
     "admit-queued": {"task": "reconciliation.admit_queued", "schedule": 2.0},
     "audit-ledger": {"task": "reconciliation.audit_ledger", "schedule": 300.0},
     "import-provider-billing": {"task": "reconciliation.import_provider_billing", "schedule": 300.0},
+    "expire-temporary-increases": {"task": "reconciliation.expire_temporary_increases", "schedule": 60.0},
     "roll-periods": {"task": "reconciliation.roll_periods", "schedule": 600.0},
 }

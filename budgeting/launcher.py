@@ -3,7 +3,10 @@
 ``./platform`` installs the virtualenv, then execs ``python -m budgeting.launcher run|test [pytest args]``.
 
 * ``run`` migrates, provisions the demo file, makes sure an admin superuser exists, collects static files,
-  then supervises gunicorn, a Celery worker and Celery beat until Ctrl-C or SIGTERM.
+  then supervises gunicorn, a Celery worker and Celery beat until Ctrl-C or SIGTERM. It is the demo
+  platform: unless the environment says otherwise, leases last ``DEMO_LEASE_SECONDS`` (so a crashed
+  gateway's reservation is reclaimed within seconds, e.g. during ``manage.py simulate``), gunicorn runs
+  several workers, and their latency metrics are merged through ``PROMETHEUS_MULTIPROC_DIR``.
 * ``test`` runs pytest with the given arguments and exits with pytest's exit code.
 
 DATABASE_URL and REDIS_URL from the environment are used as given. For each one that is missing an embedded
@@ -49,6 +52,8 @@ NON_DURABLE = ("-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes
 START_ATTEMPTS = 3
 CHILD_GRACE_SECONDS = 30.0
 HTTP_READY_SECONDS = 60.0
+DEMO_LEASE_SECONDS = 15
+MAX_WEB_WORKERS = 4
 PR_SET_PDEATHSIG = 1
 
 
@@ -502,6 +507,22 @@ def ensure_admin() -> None:
     say(f"created admin superuser {ADMIN_USERNAME!r} with password {password}  (shown only this once)")
 
 
+def demo_environment(root: Path) -> None:
+    """Defaults of the demo platform for what the environment does not set (see the module docstring).
+
+    The metrics folder is emptied first: files left by an earlier run's workers would be merged into this
+    run's scrapes.
+    """
+    os.environ.setdefault("LEASE_SECONDS", str(DEMO_LEASE_SECONDS))
+    os.environ.setdefault("WEB_CONCURRENCY", str(min(MAX_WEB_WORKERS, 2 * (os.cpu_count() or 1))))
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        metrics_dir = root / "prometheus"
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+        for stale in metrics_dir.glob("*.db"):
+            stale.unlink()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+
+
 def run(stack: contextlib.ExitStack) -> int:
     """Serve until a signal arrives (exit 0) or a supervised process dies (exit 1)."""
     began = time.monotonic()
@@ -512,6 +533,7 @@ def run(stack: contextlib.ExitStack) -> int:
     if port_accepts(port):
         raise LaunchError(f"{LOOPBACK}:{port} is already in use; stop whatever serves it or set PORT")
     root = var_dir()
+    demo_environment(root)
     services = provide_services(stack, prefix="", durable=True)
     if services.postgres or services.redis:
         env_file = root / "embedded.env"
@@ -524,7 +546,9 @@ def run(stack: contextlib.ExitStack) -> int:
     python = sys.executable
     commands = {
         "gunicorn": [python, "-m", "gunicorn", "budgeting.wsgi:application", "--bind", f"{LOOPBACK}:{port}",
-                     "--graceful-timeout", "20", "--access-logfile", "-"],
+                     "--config", "python:budgeting.gunicorn_conf",
+                     "--workers", os.environ["WEB_CONCURRENCY"], "--graceful-timeout", "20",
+                     "--access-logfile", "-"],
         "celery worker": [python, "-m", "celery", "-A", "budgeting", "worker", "--loglevel", "INFO"],
         "celery beat": [python, "-m", "celery", "-A", "budgeting", "beat", "--loglevel", "INFO",
                         "--schedule", str(root / "celerybeat-schedule")],
@@ -548,6 +572,8 @@ def run(stack: contextlib.ExitStack) -> int:
         f"Admin           {base}/admin/",
         f"OpenAPI schema  {base}/api/v1/schema",
         f"Metrics         {base}/metrics",
+        f"Leases          {os.environ['LEASE_SECONDS']}s (LEASE_SECONDS)",
+        f"Web workers     {os.environ['WEB_CONCURRENCY']} (WEB_CONCURRENCY)",
         *services.describe(),
         "Ctrl-C stops everything.",
     ]

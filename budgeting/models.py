@@ -210,6 +210,7 @@ class PolicyAlias(models.Model):
 
     class Meta:
         ordering = ["name"]
+        verbose_name_plural = "policy aliases"
 
     def __str__(self) -> str:
         return f"{self.name} → r{self.version.revision}"
@@ -245,7 +246,7 @@ class Manifest(models.Model):
         return f"{self.request_id} {self.decision}/{self.rung}"
 
 
-# --- people's side: audit log, prices, temporary increases, reports ------------------------------------------
+# --- people's side: audit log, prices, temporary increases, reports -----------------------------------------
 
 
 class ChangeRecord(models.Model):
@@ -258,7 +259,7 @@ class ChangeRecord(models.Model):
     at = models.DateTimeField(auto_now_add=True, db_index=True)
     actor = models.ForeignKey("auth.User", on_delete=models.SET_NULL, null=True, blank=True, related_name="+")
     actor_username = models.CharField(
-        max_length=150, help_text="Kept even if the user is deleted; 'system' for scheduled work."
+        "who", max_length=150, help_text="Kept even if the user is deleted; 'system' for scheduled work."
     )
     action = models.CharField(max_length=40, db_index=True)
     target_type = models.CharField(max_length=60, help_text="app_label.model of the changed object.")
@@ -271,6 +272,8 @@ class ChangeRecord(models.Model):
     class Meta:
         ordering = ["-at", "-id"]
         default_permissions = ("view",)
+        verbose_name = "change log entry"
+        verbose_name_plural = "change log"
         indexes = [models.Index(fields=["target_type", "target_id"])]
 
     def __str__(self) -> str:

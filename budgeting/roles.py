@@ -6,10 +6,12 @@ Permissions are Django's own model permissions, read with their admin meaning:
 - ``ledger.add_ledgerentry`` posts a compensating correction (ledger rows are never edited or deleted);
 - ``budgeting.change_policyalias`` activates and rolls back policy versions (alias compare-and-swap);
 - ``budgeting.add_apitoken`` rotates a service client's token;
-- ``budgeting.view_usagereport`` opens the reports page and the reports API.
+- ``budgeting.view_usagereport`` opens the reports page and the reports API;
+- ``reconciliation.add_billingimport`` uploads a provider's billing export.
 
 ``sync_roles`` makes the groups hold exactly these permissions. It runs from a data migration and is safe to
-run again (a later migration should, when new models such as billing imports bring new permissions).
+run again: migration 0004 re-runs it once the billing-import models exist, and a migration that adds models
+whose permissions a role needs should do the same.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ ROLES: dict[str, tuple[str, ...]] = {
         "reconciliation.view_billingimport",
         "reconciliation.add_billingimport",
         "reconciliation.view_billingfinding",
+        "reconciliation.view_bucketdrift",
+        "reconciliation.view_billedrequest",
     ),
     PLATFORM: (
         *(f"budgeting.{verb}_{model}" for model in _CATALOG for verb in ("view", "add", "change")),
@@ -56,7 +60,6 @@ ROLES: dict[str, tuple[str, ...]] = {
         "budgeting.view_policyversion",
         "budgeting.add_policyversion",
         "budgeting.change_policyversion",
-        "budgeting.delete_policyversion",
         "budgeting.view_policyalias",
         "budgeting.change_policyalias",
         "budgeting.view_manifest",
@@ -67,6 +70,8 @@ ROLES: dict[str, tuple[str, ...]] = {
         "ledger.view_ledgerentry",
         "reconciliation.view_billingimport",
         "reconciliation.view_billingfinding",
+        "reconciliation.view_bucketdrift",
+        "reconciliation.view_billedrequest",
     ),
     ANALYST: (
         "ledger.view_reservation",

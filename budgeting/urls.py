@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
-from budgeting import views
+from budgeting import metrics, report_views, views
 
 R = "api/v1/reservations/<str:reservation_id>"
 
@@ -23,4 +23,10 @@ urlpatterns = [
         SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
         name="schema",
     ),
+]
+
+# The people's side: Prometheus scrape and the analysts' reports (staff session users, not gateway tokens).
+urlpatterns += [
+    path("metrics", metrics.metrics_view, name="metrics"),
+    path("api/v1/reports", report_views.reports_api, name="reports"),
 ]

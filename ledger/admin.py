@@ -623,10 +623,11 @@ def timeline(reservation: Reservation) -> list[TimelineItem]:
             in_flight=entry.in_flight,
         ).count()
         detail = _deltas(entry) + (f" on {accounts} accounts" if accounts > 1 else "")
+        label = f"{entry.get_kind_display()}: {entry.reason}" if entry.reason else entry.get_kind_display()
         items.append(
             TimelineItem(
                 entry.created_at,
-                f"{entry.kind}: {entry.reason or entry.get_kind_display()}",
+                label,
                 detail,
                 "ledger",
             )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+from django.db import connection, transaction
 from django.db.models import Sum
 
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
@@ -107,11 +109,30 @@ class AuditReport:
 
 
 def audit(
-    now: Any = None, *, account_ids: list[int] | None = None, reservation_ids: list[Any] | None = None
+    now: Any = None,
+    *,
+    account_ids: list[int] | None = None,
+    reservation_ids: list[Any] | None = None,
+    lease_grace_seconds: int = 30,
 ) -> AuditReport:
-    """Check the ledger's invariants: balances equal the sum of their entries (since the last roll-over for
-    consumed balances), over-limit holds, the output conservation equation, and leaked holds (a terminal
-    reservation that still holds concurrency, or an expired lease on a dispatched call not in RECONCILING)."""
+    """Check the ledger's invariants: balances equal the sum of their entries, the output conservation
+    equation, and leaked holds (a terminal reservation that still holds capacity, or a dispatched call whose
+    lease expired more than ``lease_grace_seconds`` ago — one reclaim interval — and is not RECONCILING).
+
+    Reads one snapshot (REPEATABLE READ) when it owns the transaction, so a commit between reading the entry
+    sums and the balances cannot look like a violation while traffic runs.
+    """
+    if connection.in_atomic_block:
+        return _audit(now, account_ids, reservation_ids, lease_grace_seconds)
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        return _audit(now, account_ids, reservation_ids, lease_grace_seconds)
+
+
+def _audit(
+    now: Any, account_ids: list[int] | None, reservation_ids: list[Any] | None, lease_grace_seconds: int
+) -> AuditReport:
     report = AuditReport()
     entries = LedgerEntry.objects.all()
     accounts = CapacityAccount.objects.all()
@@ -146,7 +167,7 @@ def audit(
             now is not None
             and r.state in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}
             and r.lease_expires_at is not None
-            and r.lease_expires_at < now
+            and r.lease_expires_at < now - timedelta(seconds=lease_grace_seconds)
         ):
             report.leaks.append(f"reservation {r.pk}: lease expired in {r.state}, not RECONCILING")
     return report

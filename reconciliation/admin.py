@@ -1,47 +1,250 @@
-"""Reconciliation in the admin: billing imports and their findings, read-only.
+"""Reconciliation in the admin: billing imports with their drift per bucket, duplicates and missing records.
 
-The billing import models arrive with the reconciliation issue; until then this module registers nothing and
-the RECONCILING backlog (``ledger.admin``, Reservations → "Reconciling backlog") is the reconciliation page.
-Imports are run by the reconciliation service; the admin shows them and what they found.
+Finance uploads a provider's billing export from the imports list ("Import a billing export…"); the import
+itself is ``reconciliation.billing.import_export`` (it settles RECONCILING reservations at the billed usage
+and records findings). Everything here is read-only otherwise. The RECONCILING backlog is a page of the
+reservations admin (``ledger.admin``), linked from the imports list.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.apps import apps
-from django.contrib import admin
-from django.db import models
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import Count, Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
 
-from budgeting.admin import ReadOnlyAdmin
+from budgeting.admin import ReadOnlyAdmin, ReasonForm, actor, change_url, confirm_page, require
+from budgeting.admin_services import record_change
+from ledger.models import Reservation
+from reconciliation import billing
+from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
 
-BILLING_MODELS = ("BillingImport", "BillingFinding")
-
-
-def _model(name: str) -> type[models.Model] | None:
-    try:
-        return apps.get_model("reconciliation", name)
-    except LookupError:
-        return None
+MAX_EXPORT_BYTES = 50 * 1024 * 1024
 
 
-def _admin_for(model: type[models.Model]) -> type[admin.ModelAdmin[Any]]:
-    """A read-only admin showing the model's own fields, filterable by its choice and boolean fields."""
-    fields = [f for f in model._meta.concrete_fields if not isinstance(f, models.JSONField)]
-    filters = [f.name for f in fields if f.choices or isinstance(f, models.BooleanField | models.ForeignKey)]
-    dates = [f.name for f in fields if isinstance(f, models.DateTimeField)]
-    return type(
-        f"{model.__name__}Admin",
-        (ReadOnlyAdmin,),
-        {
-            "list_display": [f.name for f in fields][:10],
-            "list_filter": filters[:6],
-            "date_hierarchy": dates[0] if dates else None,
-        },
+class ImportForm(ReasonForm):
+    export = forms.FileField(
+        label="Billing export", help_text="The provider's export, as downloaded (UTF-8)."
     )
+    fmt = forms.ChoiceField(label="Format", choices=[("csv", "CSV"), ("jsonl", "JSON lines")])
+    field_order = ["export", "fmt", "reason"]
+
+    def clean_export(self) -> Any:
+        upload = self.cleaned_data["export"]
+        if upload.size > MAX_EXPORT_BYTES:
+            raise forms.ValidationError(f"at most {MAX_EXPORT_BYTES // (1024 * 1024)} MB")
+        return upload
 
 
-for _name in BILLING_MODELS:
-    _billing = _model(_name)
-    if _billing is not None and not admin.site.is_registered(_billing):
-        admin.site.register(_billing, _admin_for(_billing))
+@admin.register(BillingImport)
+class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
+    list_display = [
+        "imported_at",
+        "source",
+        "fmt",
+        "records",
+        "settled",
+        "duplicates",
+        "missing",
+        "mismatches",
+        "drifting_buckets",
+        "period_start",
+        "period_end",
+    ]
+    list_filter = ["fmt", "imported_at"]
+    search_fields = ["source", "content_sha256"]
+    date_hierarchy = "imported_at"
+    fields = [
+        "source",
+        "fmt",
+        "content_sha256",
+        "records",
+        "settled",
+        "findings_count",
+        "period_start",
+        "period_end",
+        "imported_at",
+    ]
+    change_form_template = "admin/reconciliation/billingimport/change_form.html"
+    change_list_template = "admin/reconciliation/billingimport/change_list.html"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[BillingImport]:
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                n_duplicates=Count("findings", filter=_kind(FindingKind.DUPLICATE), distinct=True),
+                n_missing=Count("findings", filter=_kind(FindingKind.MISSING), distinct=True),
+                n_mismatches=Count("findings", filter=_kind(FindingKind.MISMATCH), distinct=True),
+                n_drifting=Count("findings", filter=_kind(FindingKind.BUCKET_DRIFT), distinct=True),
+            )
+        )
+
+    @admin.display(description="duplicates", ordering="n_duplicates")
+    def duplicates(self, obj: Any) -> int:
+        return int(obj.n_duplicates)
+
+    @admin.display(description="missing", ordering="n_missing")
+    def missing(self, obj: Any) -> int:
+        return int(obj.n_missing)
+
+    @admin.display(description="mismatches", ordering="n_mismatches")
+    def mismatches(self, obj: Any) -> int:
+        return int(obj.n_mismatches)
+
+    @admin.display(description="drifting buckets", ordering="n_drifting")
+    def drifting_buckets(self, obj: Any) -> int:
+        return int(obj.n_drifting)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        billing_import = self.get_object(request, object_id)
+        context = dict(extra_context or {})
+        if billing_import is not None:
+            findings = billing_import.findings.all()
+            context.update(
+                {
+                    "buckets": billing_import.buckets.all(),
+                    "findings_by_kind": [
+                        (label, [f for f in findings if f.kind == kind])
+                        for kind, label in FindingKind.choices
+                        if any(f.kind == kind for f in findings)
+                    ],
+                    "billed_requests": billing_import.billed_requests.count(),
+                }
+            )
+        return super().change_view(request, object_id, form_url, context)
+
+    def get_urls(self) -> list[URLPattern]:
+        wrap = self.admin_site.admin_view
+        return [
+            path("upload/", wrap(self.upload_view), name="reconciliation_billingimport_upload"),
+            *super().get_urls(),
+        ]
+
+    def upload_view(self, request: HttpRequest) -> HttpResponse:
+        """Import a billing export: one call to the reconciliation service, then its summary."""
+        require(request, "reconciliation.add_billingimport")
+        form = ImportForm(request.POST or None, request.FILES or None)
+        if request.method == "POST" and form.is_valid():
+            upload = form.cleaned_data["export"]
+            try:
+                text = upload.read().decode("utf-8")
+            except UnicodeDecodeError:
+                form.add_error("export", "the file is not UTF-8 text")
+            else:
+                result = billing.import_export(
+                    text=text, fmt=form.cleaned_data["fmt"], source=upload.name, now=timezone.now()
+                )
+                if result.created:
+                    # The import commits its own transactions (one per settled reservation); the log entry
+                    # follows it, naming the import so the two can be matched.
+                    record_change(
+                        actor=actor(request),
+                        action="billing.import",
+                        target=result.billing_import,
+                        before=None,
+                        after=result.summary(),
+                        reason=form.cleaned_data["reason"],
+                    )
+                    messages.success(request, f"Imported {upload.name}: {result.summary()}")
+                else:
+                    messages.warning(request, f"{upload.name} was imported before; nothing changed.")
+                return HttpResponseRedirect(change_url(result.billing_import))
+        return confirm_page(
+            request,
+            self,
+            title="Import a billing export",
+            lead="Per-request records settle reservations whose outcome was unknown at the billed usage; "
+            "every other difference is recorded as a finding. Importing the same file again changes nothing.",
+            form=form,
+            submit="Import",
+            cancel_url=reverse("admin:reconciliation_billingimport_changelist"),
+            multipart=True,
+        )
+
+
+def _kind(kind: str) -> Q:
+    return Q(findings__kind=kind)
+
+
+@admin.register(BillingFinding)
+class BillingFindingAdmin(ReadOnlyAdmin[BillingFinding]):
+    list_display = ["id", "kind", "import_link", "provider_request_id", "line", "detail"]
+    list_filter = ["kind", "billing_import"]
+    search_fields = ["provider_request_id", "detail"]
+    list_select_related = ["billing_import"]
+
+    @admin.display(description="import")
+    def import_link(self, obj: BillingFinding) -> SafeString:
+        return format_html('<a href="{}">{}</a>', change_url(obj.billing_import), obj.billing_import)
+
+
+@admin.register(BucketDrift)
+class BucketDriftAdmin(ReadOnlyAdmin[BucketDrift]):
+    list_display = [
+        "bucket_start",
+        "bucket_end",
+        "model",
+        "api_key_id",
+        "billed_input",
+        "captured_input",
+        "input_drift",
+        "billed_output",
+        "captured_output",
+        "output_drift",
+    ]
+    list_filter = ["model", "billing_import"]
+    date_hierarchy = "bucket_start"
+
+    @admin.display(description="input drift")
+    def input_drift(self, obj: BucketDrift) -> SafeString:
+        return _drift(obj.drift_input)
+
+    @admin.display(description="output drift")
+    def output_drift(self, obj: BucketDrift) -> SafeString:
+        return _drift(obj.drift_output)
+
+
+def _drift(value: int) -> SafeString:
+    if value == 0:
+        return format_html("{}", 0)
+    return format_html('<span class="tb-neg">{}</span>', f"{value:+,}")
+
+
+@admin.register(BilledRequest)
+class BilledRequestAdmin(ReadOnlyAdmin[BilledRequest]):
+    list_display = [
+        "provider_request_id",
+        "model",
+        "input_tokens",
+        "output_tokens",
+        "start_time",
+        "reservation",
+    ]
+    list_filter = ["model", "billing_import"]
+    search_fields = ["=provider_request_id"]
+    date_hierarchy = "start_time"
+
+    @admin.display(description="reservation")
+    def reservation(self, obj: BilledRequest) -> SafeString | str:
+        found = Reservation.objects.filter(provider_request_id=obj.provider_request_id).values_list(
+            "pk", flat=True
+        )
+        pk = found.first()
+        if pk is None:
+            return "—"
+        return format_html(
+            '<a href="{}">{}</a>', reverse("admin:ledger_reservation_change", args=[pk]), str(pk)[:8]
+        )

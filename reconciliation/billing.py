@@ -17,6 +17,7 @@ from datetime import datetime
 from django.db import IntegrityError, transaction
 from django.db.models import Sum
 
+from ledger import locks
 from ledger import services as ledger
 from ledger.models import Reservation, State
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
@@ -45,6 +46,10 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
         return ImportResult(existing, created=False)
     scan = scan_billing_export(text, fmt)  # type: ignore[arg-type]
     requests = [r for r in scan.records if isinstance(r, RequestBillingRecord)]
+    # A call whose gateway still holds its lease is left for a later (cumulative) export: the gateway is about
+    # to settle it itself, and settling underneath it would refuse its final usage.
+    live = _live_provider_ids([r.request_id for r in requests])
+    requests = [r for r in requests if r.request_id not in live]
     buckets = [r for r in scan.records if isinstance(r, BucketBillingRecord)]
     findings: list[BillingFinding] = []
     try:
@@ -69,7 +74,7 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
                         detail=problem.reason[:500],
                     )
                 )
-            fresh = _store_requests(billing_import, requests, findings)
+            fresh, seen_again = _store_requests(billing_import, requests, findings)
             _store_buckets(billing_import, buckets, findings)
             BillingFinding.objects.bulk_create(findings)
     except IntegrityError:
@@ -77,6 +82,7 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
         return ImportResult(existing, created=False)
     # Settlement happens per reservation, each in its own transaction (the ledger's write path).
     settled_findings = _settle(billing_import, fresh, now)
+    settled_findings += [f for f in _settle(billing_import, seen_again, now) if f.kind == FindingKind.SETTLED]
     _report_missing(billing_import, requests, settled_findings)
     BillingFinding.objects.bulk_create(settled_findings)
     billing_import.settled = sum(1 for f in settled_findings if f.kind == FindingKind.SETTLED)
@@ -87,26 +93,35 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
 
 def _store_requests(
     billing_import: BillingImport, records: Sequence[RequestBillingRecord], findings: list[BillingFinding]
-) -> list[RequestBillingRecord]:
-    known = set(
-        BilledRequest.objects.filter(provider_request_id__in=[r.request_id for r in records]).values_list(
-            "provider_request_id", flat=True
-        )
-    )
-    fresh = []
+) -> tuple[list[RequestBillingRecord], list[RequestBillingRecord]]:
+    """Store first-seen records. Returns (fresh, seen again with the same amounts).
+
+    Provider exports are cumulative, so a record seen before with the same amounts is no news; one seen before
+    with other amounts is a duplicate bill, flagged and not counted.
+    """
+    known = {
+        b.provider_request_id: b
+        for b in BilledRequest.objects.filter(provider_request_id__in=[r.request_id for r in records])
+    }
+    fresh: list[RequestBillingRecord] = []
+    seen_again: list[RequestBillingRecord] = []
     for record in records:
-        if record.request_id in known:
+        earlier = known.get(record.request_id)
+        if earlier is None:
+            fresh.append(record)
+        elif (earlier.input_tokens, earlier.output_tokens) == (record.input_tokens, record.output_tokens):
+            seen_again.append(record)
+        else:
             findings.append(
                 BillingFinding(
                     billing_import=billing_import,
                     kind=FindingKind.DUPLICATE,
                     provider_request_id=record.request_id,
                     line=record.line,
-                    detail="already billed by an earlier import; not counted again",
+                    detail=f"billed again with other amounts ({record.input_tokens}/{record.output_tokens}, "
+                    f"first {earlier.input_tokens}/{earlier.output_tokens}); not counted",
                 )
             )
-            continue
-        fresh.append(record)
     BilledRequest.objects.bulk_create(
         BilledRequest(
             billing_import=billing_import,
@@ -119,7 +134,7 @@ def _store_requests(
         )
         for r in fresh
     )
-    return fresh
+    return fresh, seen_again
 
 
 def _store_buckets(
@@ -194,7 +209,7 @@ def _settle(
                 )
             )
             continue
-        if reservation.state in OPEN_AFTER_DISPATCH:
+        if _unattended(reservation):
             evidence = ledger.Evidence(
                 ledger.EvidenceKind.COMPLETED,
                 record.input_tokens,
@@ -228,6 +243,27 @@ def _settle(
             )
         )
     return findings
+
+
+def _live_provider_ids(provider_request_ids: list[str]) -> set[str]:
+    return set(
+        Reservation.objects.filter(
+            provider_request_id__in=provider_request_ids,
+            state__in=[State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED],
+            lease_expires_at__gt=locks.db_now(),
+        ).values_list("provider_request_id", flat=True)
+    )
+
+
+def _unattended(reservation: Reservation) -> bool:
+    """May a bill settle it now? RECONCILING always; a dispatched call only once its gateway's lease ran
+    out (a live gateway is about to report final usage itself, and settling under it would refuse that)."""
+    if reservation.state == State.RECONCILING:
+        return True
+    if reservation.state not in OPEN_AFTER_DISPATCH:
+        return False
+    db_now = locks.db_now()
+    return reservation.lease_expires_at is not None and reservation.lease_expires_at <= db_now  # type: ignore[operator]
 
 
 def _report_missing(

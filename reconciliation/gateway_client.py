@@ -12,6 +12,10 @@ The order is the protocol:
    the lease ``POST …/lease {fence}``; then the final usage ``{inputTokens, outputTokens, final: true}``.
 4. On a provider failure ``POST …/fail {fence, reason, requestSent}``; on the caller's cancel
    ``POST …/cancel {fence}``. Usage seen before either is posted first, through ``/usage``.
+   ``requestSent`` is ``false`` only with proof of non-processing: the connection was refused before any
+   byte, or the provider answered 400/401/403/404/429 (``reason`` ``provider_http_<status>: <type>``), and
+   our API then releases the reservation in full; a reset or timeout after the body went out is
+   ``"unknown"``; any other answer is ``true``.
 
 Mid-stream deltas are a lower bound of what the provider bills — the larger of the number of content
 chunks (each carries at least one token) and the largest cumulative per-chunk usage the provider reported —
@@ -23,7 +27,9 @@ same idempotency key, ``usageEventId`` and fence: the server applies each at mos
 that could not be delivered is re-sent unchanged before any newer one, never folded into a new id.
 
 ``die_after`` makes the client stop dead at a chosen point (raising ``ClientDied`` and making no further
-call to our API) so fault tests can leave reservations exactly where a crashed gateway would.
+call to our API) so fault tests can leave reservations exactly where a crashed gateway would; ``pause_at``
+calls back at a point and carries on when the callback returns, as a gateway frozen by a long GC pause or
+a stopped VM would.
 """
 
 from __future__ import annotations
@@ -46,9 +52,14 @@ logger = logging.getLogger(__name__)
 
 RequestSent = bool | Literal["unknown"]
 DiePoint = Literal["before_dispatch", "dispatch", "after_k_chunks", "before_final_usage"]
+PausePoint = Literal["before_dispatch", "dispatch", "before_final_usage"]
 CallOutcome = Literal["completed", "usage_unknown", "failed", "cancelled", "unsettled"]
 
 ADMISSIONS_PATH: Final = "/api/v1/admissions"
+# Provider answers that document non-processing (OpenAI: invalid request incl. context_length_exceeded,
+# authentication, permission, not found, rate limit). 409 is not here: it can mean an earlier attempt with
+# the same request id was processed.
+NOT_PROCESSED_STATUSES: Final = frozenset({400, 401, 403, 404, 429})
 _MIN_RENEW_INTERVAL_S: Final = 0.05
 _MAX_SSE_LINE: Final = 1024 * 1024
 _MAX_ERROR_BODY: Final = 64 * 1024
@@ -103,8 +114,10 @@ class ProtocolViolation(GatewayError):
 class ProviderCallError(GatewayError):
     """The provider call failed; ``request_sent`` is what may be claimed in ``/fail``.
 
-    ``False`` only when no byte of the body can have left this process (connection refused, or the
-    headers could not be sent); ``True`` once the provider's response began; ``"unknown"`` otherwise.
+    ``False`` only with proof that the provider did not process the request: no byte of the body can
+    have left this process (connection refused, or the headers could not be sent), or the provider
+    answered with a status that documents non-processing (``NOT_PROCESSED_STATUSES``). ``True`` once
+    any other answer began; ``"unknown"`` otherwise (a reset or timeout after the body was sent).
     """
 
     def __init__(self, reason: str, request_sent: RequestSent, status: int | None = None) -> None:
@@ -441,20 +454,28 @@ class ChatProvider:
             connection.close()
             raise ProviderCallError(f"no_response: {type(exc).__name__}", "unknown") from exc
         if response.status != 200:
-            code = _error_code(response)
+            kind = _error_kind(response)
             connection.close()
-            raise ProviderCallError(f"provider_http_{response.status}: {code}", True, response.status)
+            # These answers are documented as "not processed, not billed": the request was refused before
+            # any work (bad request, context overflow, auth, unknown model, rate limit). A 5xx or anything
+            # else may come after the prompt was processed, so it proves nothing.
+            sent: RequestSent = response.status not in NOT_PROCESSED_STATUSES
+            raise ProviderCallError(f"provider_http_{response.status}: {kind}", sent, response.status)
         return ChatStream(connection, response)
 
 
-def _error_code(response: http.client.HTTPResponse) -> str | None:
+def _error_kind(response: http.client.HTTPResponse) -> str:
+    """``type`` of an OpenAI-style error body, with its ``code`` when that says more; else ``unknown``."""
     try:
         body = json.loads(response.read(_MAX_ERROR_BODY))
     except (OSError, http.client.HTTPException, UnicodeDecodeError, json.JSONDecodeError):
-        return None
+        return "unknown"
     error = body.get("error") if isinstance(body, dict) else None
-    code = error.get("code") or error.get("type") if isinstance(error, dict) else None
-    return code if isinstance(code, str) else None
+    if not isinstance(error, dict):
+        return "unknown"
+    kind, code = error.get("type"), error.get("code")
+    parts = [value for value in (kind, code) if isinstance(value, str) and value]
+    return "/".join(dict.fromkeys(parts)) or "unknown"
 
 
 def provider_body(payload: Any, max_output: int, default_model: str | None) -> dict[str, Any]:
@@ -497,6 +518,8 @@ class Grant:
     max_output: int
     lease_expires_at: datetime
     replayed: bool
+    rung: str = "FULL"
+    input_tokens: int | None = None
 
     @classmethod
     def from_response(cls, response: ApiResponse) -> Grant:
@@ -516,6 +539,7 @@ class Grant:
             payload = body["payload"]
         except (KeyError, ValueError) as exc:
             raise ProtocolViolation(f"admission answer lacks a field: {exc}") from exc
+        rung, input_tokens = body.get("rung"), tokens.get("input")
         if not isinstance(reservation_id, str | int) or isinstance(reservation_id, bool):
             raise ProtocolViolation("reservationId is not a string")
         if not _is_int(fence) or not isinstance(admitted_digest, str) or not _is_int(max_output):
@@ -528,6 +552,8 @@ class Grant:
             max_output=max_output,
             lease_expires_at=expires_at,
             replayed=response.headers.get("idempotent-replayed", "").lower() == "true",
+            rung=rung if isinstance(rung, str) and rung else "FULL",
+            input_tokens=input_tokens if _is_int(input_tokens) else None,
         )
 
 
@@ -617,18 +643,43 @@ class GatewayClient:
         cancel: threading.Event | None = None,
         die_after: DiePoint | None = None,
         die_after_chunks: int = 0,
+        pause_at: Callable[[PausePoint], None] | None = None,
     ) -> CallResult:
         """Admit, dispatch, stream and settle one call; see the module docstring for the protocol.
 
-        ``cancel`` is checked before dispatch and after every chunk. ``die_after`` raises ``ClientDied`` at
-        that point (``after_k_chunks`` after ``die_after_chunks`` content chunks, 0 = as the response
-        begins). Raises what ``admit`` raises; ``StaleFence`` if the lease was taken over;
-        ``ApiError``/``ApiUnavailable`` if dispatch could not be recorded (nothing is then sent to the
-        provider, and a best-effort ``/cancel`` is made); ``ProtocolViolation`` for a bad payload.
+        Raises what ``admit`` raises, then what ``call`` raises; the keyword arguments are ``call``'s.
         """
         if die_after_chunks < 0:
             raise ValueError("die_after_chunks cannot be negative")
-        grant = self.admit(request, idempotency_key)
+        return self.call(
+            self.admit(request, idempotency_key),
+            cancel=cancel,
+            die_after=die_after,
+            die_after_chunks=die_after_chunks,
+            pause_at=pause_at,
+        )
+
+    def call(
+        self,
+        grant: Grant,
+        *,
+        cancel: threading.Event | None = None,
+        die_after: DiePoint | None = None,
+        die_after_chunks: int = 0,
+        pause_at: Callable[[PausePoint], None] | None = None,
+    ) -> CallResult:
+        """Dispatch, stream and settle the call an admission granted.
+
+        ``cancel`` is checked before dispatch and after every chunk. ``die_after`` raises ``ClientDied`` at
+        that point (``after_k_chunks`` after ``die_after_chunks`` content chunks, 0 = as the response
+        begins). ``pause_at`` is called at each ``PausePoint`` before the ``die_after`` check there; the
+        call goes on when it returns. Raises ``StaleFence`` if the lease was taken over;
+        ``ApiError``/``ApiUnavailable`` if dispatch could not be recorded (nothing is then sent to the
+        provider, and a best-effort ``/cancel`` is made), or if a later write was refused;
+        ``ProtocolViolation`` for a bad payload; ``ValueError`` for a negative ``die_after_chunks``.
+        """
+        if die_after_chunks < 0:
+            raise ValueError("die_after_chunks cannot be negative")
         call = _Call(self, grant)
         # Built before dispatch: a payload we cannot send must not leave a dispatched reservation behind.
         try:
@@ -637,11 +688,15 @@ class GatewayClient:
             with contextlib.suppress(GatewayError):
                 call.post("cancel", {})
             raise
+        if pause_at is not None:
+            pause_at("before_dispatch")
         if die_after == "before_dispatch":
             raise ClientDied("before_dispatch")
         if cancel is not None and cancel.is_set():
             return call.terminal("cancel", {}, outcome="cancelled", reason="cancelled before dispatch")
         call.dispatch()
+        if pause_at is not None:
+            pause_at("dispatch")
         if die_after == "dispatch":
             raise ClientDied("after dispatch")
         call.maybe_renew()
@@ -650,7 +705,7 @@ class GatewayClient:
         except ProviderCallError as exc:
             return call.fail(exc.request_sent, exc.reason)
         with stream:
-            return call.consume(stream, cancel, die_after, die_after_chunks)
+            return call.consume(stream, cancel, die_after, die_after_chunks, pause_at)
 
 
 @dataclass
@@ -702,6 +757,7 @@ class _Call:
         cancel: threading.Event | None,
         die_after: DiePoint | None,
         die_after_chunks: int,
+        pause_at: Callable[[PausePoint], None] | None,
     ) -> CallResult:
         if die_after == "after_k_chunks" and die_after_chunks == 0:
             raise ClientDied("as the response began")
@@ -741,6 +797,8 @@ class _Call:
                 "usage_unknown",
                 None,
             )
+        if pause_at is not None:
+            pause_at("before_final_usage")
         if die_after == "before_final_usage":
             raise ClientDied("before final usage")
         if final.completion_tokens < self.reported_output:

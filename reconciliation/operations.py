@@ -6,6 +6,7 @@ import logging
 import urllib.request
 from datetime import datetime
 
+from budgeting import admin_services
 from budgeting.admission import queued_body
 from budgeting.models import ModelPool
 from ledger import selectors
@@ -80,6 +81,10 @@ def import_provider_billing(*, now: datetime) -> dict[str, int]:
         result = billing.import_export(text=text, fmt="jsonl", source=f"pool {pool.slug}", now=now)
         totals["imports" if result.created else "unchanged"] += 1
     return totals
+
+
+def expire_increases(*, now: datetime) -> dict[str, int]:
+    return {"ended": admin_services.expire_temporary_increases(now=now)}
 
 
 def roll_periods(*, now: datetime) -> dict[str, int]:

@@ -218,10 +218,15 @@ BillingRecord = RequestBillingRecord | BucketBillingRecord
 
 @dataclass(frozen=True)
 class ExportProblem:
-    """A bad or duplicate line of a billing export."""
+    """A bad or duplicate line of a billing export.
+
+    ``counted`` is true only for an exact copy of an earlier line: its record is kept once, so the line is
+    flagged but no billed usage is lost. Every other problem means the line's usage is not in the records.
+    """
 
     line: int
     reason: str
+    counted: bool = False
 
 
 @dataclass(frozen=True)
@@ -245,12 +250,13 @@ class BillingExportError(ValueError):
 def parse_billing_export(text: str, fmt: BillingExportFormat) -> list[BillingRecord]:
     """Parse a whole billing export strictly.
 
-    Raises ``BillingExportError`` listing every bad and duplicate line if there is any: a partial import
-    could later be read as "this request was not billed", so the import is all or nothing.
+    Raises ``BillingExportError`` listing every problem if any line's usage was dropped (a bad line or a
+    conflicting duplicate): a partial import could later be read as "this request was not billed", so the
+    import is all or nothing. Exact copies of a line lose nothing and are counted once.
     Raises ``ValueError`` for an unknown ``fmt``.
     """
     scan = scan_billing_export(text, fmt)
-    if scan.problems:
+    if any(not problem.counted for problem in scan.problems):
         raise BillingExportError(scan.problems)
     return list(scan.records)
 
@@ -259,8 +265,9 @@ def scan_billing_export(text: str, fmt: BillingExportFormat) -> BillingExportSca
     """Parse an export, collecting problems instead of raising.
 
     A record is per-request if it has ``request_id`` and per-bucket if it has ``bucket_start``. Duplicates
-    (same request id; same bucket key) are reported on every occurrence after the first, and every copy
-    is dropped from ``records`` because the export does not say which one is right.
+    (same request id; same bucket key) are reported on every occurrence after the first. When every copy
+    carries the same values the record is kept once (the problems are ``counted``: flagged, not counted
+    twice); when copies disagree every copy is dropped, because the export does not say which one is right.
 
     Raises ``ValueError`` for an unknown ``fmt``.
     """
@@ -447,16 +454,28 @@ def _timestamp(row: Row, name: str, errors: list[str]) -> datetime | None:
 
 
 def _drop_duplicates(parsed: list[BillingRecord], problems: list[ExportProblem]) -> list[BillingRecord]:
-    first_line: dict[object, int] = {}
-    duplicated: set[object] = set()
+    copies: dict[object, list[BillingRecord]] = {}
     for record in parsed:
-        key = _identity(record)
-        if key in first_line:
-            duplicated.add(key)
-            problems.append(ExportProblem(record.line, f"duplicate of line {first_line[key]}"))
+        copies.setdefault(_identity(record), []).append(record)
+    kept: list[BillingRecord] = []
+    for record in parsed:
+        group = copies[_identity(record)]
+        first = group[0]
+        # Record equality ignores the line number: identical values are one billed request written twice.
+        identical = all(copy == first for copy in group)
+        if record is first:
+            if identical:
+                kept.append(record)
+            continue
+        if identical:
+            problems.append(
+                ExportProblem(record.line, f"exact duplicate of line {first.line}; counted once", True)
+            )
         else:
-            first_line[key] = record.line
-    return [record for record in parsed if _identity(record) not in duplicated]
+            problems.append(
+                ExportProblem(record.line, f"conflicting duplicate of line {first.line}; every copy dropped")
+            )
+    return kept
 
 
 def _identity(record: BillingRecord) -> object:

@@ -29,6 +29,7 @@ fault                     what the client sees                       billed     
 ``duplicate_usage``       the usage chunk twice                      prompt + all        completed
 ``reorder_usage``         per-chunk usage, adjacent pairs swapped    prompt + all        completed
 ``bill_without_answer``   the connection closes with no response     prompt + all        completed
+``rate_limited``          429 ``rate_limit_exceeded``, body unread   nothing             failed_unprocessed
 client disconnects        —                                          prompt + produced   cut
 context overflow          400 ``context_length_exceeded``            nothing             failed_unprocessed
 ========================  =========================================  ==================  =================
@@ -118,6 +119,7 @@ class Fault(StrEnum):
     DUPLICATE_USAGE = "duplicate_usage"
     REORDER_USAGE = "reorder_usage"
     BILL_WITHOUT_ANSWER = "bill_without_answer"
+    RATE_LIMITED = "rate_limited"
 
 
 class LookupFault(StrEnum):
@@ -183,6 +185,33 @@ class BillingEntry:
     def billed(self) -> bool:
         """Whether the request appears in billing exports."""
         return self.status in BILLED_STATUSES
+
+
+@dataclass(frozen=True)
+class BillingMismatch:
+    """One provider request whose settled ``(input, output)`` differs from what the simulator billed."""
+
+    request_id: str
+    settled: tuple[int, int]
+    billed: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BillingComparison:
+    """``Simulator.compare``: settled usage next to the simulator's billing ledger."""
+
+    compared: int
+    mismatches: tuple[BillingMismatch, ...]
+    unsettled: tuple[str, ...]
+    settled_input: int
+    settled_output: int
+    billed_input: int
+    billed_output: int
+
+    @property
+    def ok(self) -> bool:
+        """Every settled request matches its bill (unsettled ones are reported, not judged)."""
+        return not self.mismatches
 
 
 @dataclass
@@ -371,6 +400,40 @@ class Simulator:
         with self._lock:
             rows = list(self._ledger.values())
         return sorted(rows, key=lambda row: (row.started_at, row.request_id))
+
+    def compare(self, settled: Mapping[str, tuple[int, int]]) -> BillingComparison:
+        """Compare what a client settled, ``{provider request id: (input, output)}``, with what was billed.
+
+        An id the simulator never billed (never seen, or refused unprocessed) was billed ``(0, 0)``. An id
+        still running is a mismatch whatever its counts so far: its bill is not final, so nothing settled
+        can equal it. Billed ids absent from ``settled`` are listed as ``unsettled`` (still being
+        reconciled, or lost).
+        """
+        rows = {row.request_id: row for row in self.entries()}
+        mismatches: list[BillingMismatch] = []
+        for request_id, ours in sorted(settled.items()):
+            row = rows.get(request_id)
+            billed = (row.prompt_tokens, row.completion_tokens) if row is not None else (0, 0)
+            running = row is not None and row.status is BillingStatus.RUNNING
+            if running or (ours[0], ours[1]) != billed:
+                mismatches.append(BillingMismatch(request_id, (ours[0], ours[1]), billed))
+        unsettled = tuple(
+            sorted(
+                request_id
+                for request_id, row in rows.items()
+                if request_id not in settled and (row.billed or row.status is BillingStatus.RUNNING)
+            )
+        )
+        billed_rows = [row for row in rows.values() if row.billed]
+        return BillingComparison(
+            compared=len(settled),
+            mismatches=tuple(mismatches),
+            unsettled=unsettled,
+            settled_input=sum(ours[0] for ours in settled.values()),
+            settled_output=sum(ours[1] for ours in settled.values()),
+            billed_input=sum(row.prompt_tokens for row in billed_rows),
+            billed_output=sum(row.completion_tokens for row in billed_rows),
+        )
 
     def billing_export(
         self,
@@ -665,6 +728,13 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(script.delay_s)
             self.sim._record_unprocessed(request_id, "", key_id, project_id)
             self._reset()
+            return
+        if script.fault is Fault.RATE_LIMITED:
+            self._discard_body()
+            self.sim._record_unprocessed(request_id, "", key_id, project_id)
+            self._send_error(
+                429, "requests", "rate_limit_exceeded", "Rate limit reached for requests; try again later."
+            )
             return
 
         body = self._read_json()

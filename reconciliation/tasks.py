@@ -46,6 +46,11 @@ def import_provider_billing() -> dict[str, int]:
     return operations.import_provider_billing(now=timezone.now())
 
 
+@shared_task(name="reconciliation.expire_temporary_increases", **TASK_OPTIONS)
+def expire_temporary_increases() -> dict[str, int]:
+    return operations.expire_increases(now=timezone.now())
+
+
 @shared_task(name="reconciliation.roll_periods", **TASK_OPTIONS)
 def roll_periods() -> dict[str, int]:
     return operations.roll_periods(now=timezone.now())

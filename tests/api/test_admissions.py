@@ -86,7 +86,7 @@ def request_body(**overrides: Any) -> dict[str, Any]:
 
 
 def post(api: APIClient, path: str, body: Any, key: str | None = None) -> Any:
-    headers = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+    headers: dict[str, Any] = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
     return api.post(path, data=json.dumps(body), content_type="application/json", **headers)
 
 
@@ -311,3 +311,19 @@ def test_a_structured_rejection_when_hard_buckets_do_not_fit(api):
     assert data["rungsTried"]
     assert Manifest.objects.get(pk=data["manifestId"]).decision == "CONTEXT_BUDGET_EXCEEDED"
     assert not Reservation.objects.exists()
+
+
+def test_replaying_a_request_the_queue_rejected_says_so(api):
+    from datetime import UTC, datetime
+
+    from reconciliation.operations import admit_queue
+
+    CapacityAccount.objects.filter(scope=Scope.TENANT, tenant__slug="t-19").update(concurrency_limit=0)
+    queued = post(api, "/api/v1/admissions", request_body(), key="k-late")
+    assert queued.status_code == 202
+    Reservation.objects.filter(pk=queued.json()["reservationId"]).update(
+        queue_deadline=datetime(2020, 1, 1, tzinfo=UTC)
+    )
+    assert admit_queue(now=datetime.now(UTC))["rejected"] == 1
+    replay = post(api, "/api/v1/admissions", request_body(), key="k-late")
+    assert (replay.status_code, replay.json()["code"]) == (409, "QUEUE_DEADLINE_PASSED")

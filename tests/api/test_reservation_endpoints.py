@@ -28,7 +28,7 @@ def world():
     return api, cat, reservation
 
 
-def post(api: APIClient, url: str, body: Any, **headers: str) -> Any:
+def post(api: APIClient, url: str, body: Any, **headers: Any) -> Any:
     raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return api.post(url, data=raw, content_type=headers.pop("content_type", "application/json"), **headers)
 

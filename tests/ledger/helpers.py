@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from django.db import connection
 
@@ -34,21 +34,21 @@ class Catalog:
 
 
 def catalog(*, tenant_slug: str = "t-1", pool_slug: str = "pool-1", task_slug: str = "task-1") -> Catalog:
-    pool = ModelPoolFactory(slug=pool_slug)
+    pool = cast(ModelPool, ModelPoolFactory(slug=pool_slug))
     return Catalog(
-        tenant=TenantFactory(slug=tenant_slug),
-        task_class=TaskClassFactory(slug=task_slug),
+        tenant=cast(Tenant, TenantFactory(slug=tenant_slug)),
+        task_class=cast(TaskClass, TaskClassFactory(slug=task_slug)),
         pool=pool,
-        model=ModelRevisionFactory(name=f"m-{pool_slug}@2026-07-01", pools=[pool]),
+        model=cast(ModelRevision, ModelRevisionFactory(name=f"m-{pool_slug}@2026-07-01", pools=[pool])),
     )
 
 
 def tenant_account(cat: Catalog, **limits: Any) -> CapacityAccount:
-    return AccountFactory(scope=Scope.TENANT, tenant=cat.tenant, **limits)
+    return cast(CapacityAccount, AccountFactory(scope=Scope.TENANT, tenant=cat.tenant, **limits))
 
 
 def pool_account(cat: Catalog, **limits: Any) -> CapacityAccount:
-    return AccountFactory(scope=Scope.POOL, pool=cat.pool, **limits)
+    return cast(CapacityAccount, AccountFactory(scope=Scope.POOL, pool=cat.pool, **limits))
 
 
 def spec(

@@ -39,7 +39,7 @@ def _outcomes(results: list[Any]) -> tuple[int, int, list[Any]]:
 
 def _attempts(cat: Any, sizes: list[int]) -> Any:
     def task(i: int) -> list[Any]:
-        out = []
+        out: list[Any] = []
         for j in range(PER_THREAD):
             try:
                 out.append(admit(spec(cat, input_tokens=sizes[i * PER_THREAD + j], output_tokens=10)))
@@ -89,7 +89,7 @@ def test_tenant_cap_shared_by_several_pools_has_no_write_skew():
         pool_account(cat, input_limit=10**9)
 
     def task(i: int) -> list[Any]:
-        out = []
+        out: list[Any] = []
         for _ in range(PER_THREAD):
             try:
                 out.append(admit(spec(cats[i % 4], input_tokens=100, output_tokens=1)))

@@ -79,15 +79,40 @@ def test_importing_the_same_export_twice_changes_nothing(cat, sim):
     assert BillingImport.objects.count() == 1
 
 
-def test_a_request_billed_again_in_another_export_is_flagged_not_counted(cat, sim):
+def test_a_cumulative_export_seen_again_is_no_news(cat, sim):
+    frozen(cat, sim)
+    import_export(text=sim.billing_export("jsonl"), fmt="jsonl", source="a", now=now())
+    entries = LedgerEntry.objects.count()
+    again = import_export(text=sim.billing_export("csv"), fmt="csv", source="same requests as CSV", now=now())
+    assert again.created
+    assert kinds(again.billing_import) == {}
+    assert LedgerEntry.objects.count() == entries
+
+
+def test_a_request_billed_again_with_other_amounts_is_flagged_not_counted(cat, sim):
     r = frozen(cat, sim)
     text = sim.billing_export("jsonl")
     import_export(text=text, fmt="jsonl", source="a", now=now())
     entries = LedgerEntry.objects.count()
-    again = import_export(text=sim.billing_export("csv"), fmt="csv", source="same requests as CSV", now=now())
+    billed = sim.entry(r.provider_request_id)
+    inflated = text.replace(f'"output_tokens":{billed.completion_tokens}', '"output_tokens":999')
+    assert inflated != text
+    again = import_export(text=inflated, fmt="jsonl", source="b", now=now())
     assert kinds(again.billing_import) == {FindingKind.DUPLICATE: 1}
     assert LedgerEntry.objects.count() == entries
-    assert BilledRequest.objects.filter(provider_request_id=r.provider_request_id).count() == 1
+    assert (
+        BilledRequest.objects.get(provider_request_id=r.provider_request_id).output_tokens
+        == billed.completion_tokens
+    )
+
+
+def test_a_call_whose_gateway_holds_a_live_lease_is_left_to_the_gateway(cat, sim):
+    r = dispatched(cat)
+    call_provider(sim, r.provider_request_id)
+    result = import_export(text=sim.billing_export("jsonl"), fmt="jsonl", source="live", now=now())
+    assert kinds(result.billing_import) == {}
+    assert Reservation.objects.get(pk=r.pk).state == State.DISPATCHED
+    assert not BilledRequest.objects.exists(), "a later cumulative export carries it again"
 
 
 def test_a_duplicate_line_is_flagged_and_counted_once(cat, sim):
@@ -105,9 +130,9 @@ def test_a_duplicate_line_is_flagged_and_counted_once(cat, sim):
 
 
 def test_missing_and_extra_requests_are_reported(cat, sim):
-    # Extra: the provider billed a request we have no reservation for.
+    # Extra: the provider billed requests we have no reservation for.
     call_provider(sim, "stranger-1")
-    # Missing: we dispatched (and completed) a call the export does not contain.
+    # Missing: a call we dispatched and settled, inside the export's period, that the export does not contain.
     completed = dispatched(cat)
     services.record_usage(
         reservation_id=completed.pk,
@@ -116,12 +141,12 @@ def test_missing_and_extra_requests_are_reported(cat, sim):
         usage=services.Usage("u", 10, 100, True),
         now=now(),
     )
-    Reservation.objects.filter(pk=completed.pk).update(dispatched_at=now())
-    text = sim.billing_export("csv")
-    result = import_export(text=text, fmt="csv", source="x.csv", now=now() + timedelta(seconds=1))
+    call_provider(sim, "stranger-2")
+    result = import_export(text=sim.billing_export("csv"), fmt="csv", source="x.csv", now=now())
     found = kinds(result.billing_import)
-    assert found.get(FindingKind.EXTRA) == 1
-    assert BillingFinding.objects.filter(kind=FindingKind.EXTRA, provider_request_id="stranger-1").exists()
+    assert found == {FindingKind.EXTRA: 2, FindingKind.MISSING: 1}
+    missing = BillingFinding.objects.get(kind=FindingKind.MISSING)
+    assert missing.provider_request_id == completed.provider_request_id
 
 
 def test_bucket_records_are_compared_with_what_we_captured(cat, sim):

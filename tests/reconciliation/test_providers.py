@@ -278,16 +278,50 @@ def test_every_bad_line_is_reported_with_its_line_number() -> None:
         "r4,m,1,2,2026-07-01T10:00:00\n"  # 5: naive timestamp
         "r5,m,1,2\n"  # 6: too few columns
         ",m,1,2,2026-07-01T10:00:00Z\n"  # 7: empty id
-        "r1,m,10,20,2026-07-01T10:00:00Z\n"  # 8: duplicate of 2
+        "r1,m,10,20,2026-07-01T10:00:00Z\n"  # 8: exact duplicate of 2
         "r6,m,1,2,yesterday\n"  # 9: not ISO-8601
     )
     with pytest.raises(BillingExportError) as caught:
         parse_billing_export(text, "csv")
     assert [p.line for p in caught.value.problems] == [3, 4, 5, 6, 7, 8, 9]
     assert "duplicate of line 2" in caught.value.problems[5].reason
+    assert [p.counted for p in caught.value.problems] == [False] * 5 + [True, False]
     scan = scan_billing_export(text, "csv")
-    # Both copies of a duplicate are dropped: the export does not say which one is right.
-    assert scan.records == ()
+    assert [(r.line, r.request_id) for r in scan.records if isinstance(r, RequestBillingRecord)] == [
+        (2, "r1")
+    ]
+
+
+def test_an_exact_duplicate_line_is_kept_once_and_flagged() -> None:
+    header = "request_id,model,input_tokens,output_tokens,start_time\n"
+    row = "r1,m,10,20,2026-07-01T10:00:00Z\n"
+    text = header + row + "r2,m,1,2,2026-07-01T10:00:00Z\n" + row + row
+    scan = scan_billing_export(text, "csv")
+    assert [(p.line, p.reason, p.counted) for p in scan.problems] == [
+        (4, "exact duplicate of line 2; counted once", True),
+        (5, "exact duplicate of line 2; counted once", True),
+    ]
+    assert [(r.line, r.input_tokens, r.output_tokens) for r in scan.records] == [(2, 10, 20), (3, 1, 2)]
+    # Nothing billed is lost, so the strict parser accepts it, with each request once.
+    assert [r.line for r in parse_billing_export(text, "csv")] == [2, 3]
+
+
+def test_conflicting_duplicates_are_all_dropped_and_reported() -> None:
+    header = "request_id,model,input_tokens,output_tokens,start_time\n"
+    text = (
+        header
+        + "r1,m,10,20,2026-07-01T10:00:00Z\n"
+        + "r1,m,10,20,2026-07-01T10:00:00Z\n"
+        + "r1,m,10,21,2026-07-01T10:00:00Z\n"
+        + "r2,m,1,2,2026-07-01T10:00:00Z\n"
+    )
+    scan = scan_billing_export(text, "csv")
+    assert [(p.line, p.counted) for p in scan.problems] == [(3, False), (4, False)]
+    assert all("conflicting duplicate of line 2" in p.reason for p in scan.problems)
+    # The export does not say which copy is right, so none of them is used.
+    assert [r.line for r in scan.records] == [5]
+    with pytest.raises(BillingExportError):
+        parse_billing_export(text, "csv")
 
 
 def test_jsonl_problems_are_collected() -> None:
@@ -330,7 +364,8 @@ def test_bucket_duplicates_are_reported() -> None:
         ",input_tokens,output_tokens,num_model_requests\n"
     )
     scan = scan_billing_export(text + row + row, "csv")
-    assert [(p.line, p.reason) for p in scan.problems] == [(3, "duplicate of line 2")]
+    assert [(p.line, p.reason) for p in scan.problems] == [(3, "exact duplicate of line 2; counted once")]
+    assert [r.line for r in scan.records] == [2]
 
 
 def test_empty_export_is_empty_and_unknown_format_raises() -> None:

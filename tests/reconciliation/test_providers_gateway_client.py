@@ -486,6 +486,79 @@ def test_provider_failures_report_what_is_known_about_sending(
     assert api.actions() == ["admission", "dispatch", "fail"]
 
 
+@pytest.mark.parametrize(
+    ("status", "error", "reason"),
+    [
+        (400, ("invalid_request_error", "context_length_exceeded"),
+         "provider_http_400: invalid_request_error/context_length_exceeded"),
+        (401, ("invalid_request_error", "invalid_api_key"),
+         "provider_http_401: invalid_request_error/invalid_api_key"),
+        (403, ("permission_error", None), "provider_http_403: permission_error"),
+        (404, ("invalid_request_error", "model_not_found"),
+         "provider_http_404: invalid_request_error/model_not_found"),
+        (429, ("requests", "rate_limit_exceeded"), "provider_http_429: requests/rate_limit_exceeded"),
+        (409, ("invalid_request_error", "duplicate_request_id"), None),
+        (500, ("server_error", "server_error"), None),
+        (422, None, None),
+    ],
+)  # fmt: skip
+def test_provider_answers_documenting_non_processing_are_request_sent_false(
+    api: FakeApi, status: int, error: tuple[str, str | None] | None, reason: str | None
+) -> None:
+    class Refusing(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = (
+                {"error": {"message": "no", "type": error[0], "param": None, "code": error[1]}}
+                if error is not None
+                else {"detail": "not an OpenAI error body"}
+            )
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    provider = ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    thread = threading.Thread(target=provider.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        host, port = provider.server_address[:2]
+        client = GatewayClient(
+            ApiClient(api.base_url, "t", retry=no_wait_retry()),
+            ChatProvider(f"http://{host!s}:{port}/v1", "sk"),
+        )
+        result = client.run(ADMISSION, idempotency_key="idem-1")
+    finally:
+        provider.shutdown()
+        provider.server_close()
+    terminal = api.only().terminal
+    assert result.outcome == "failed" and terminal is not None and terminal["action"] == "fail"
+    if reason is not None:
+        # Documented non-processing: our API releases in full, input refunded.
+        assert result.request_sent is False and terminal["requestSent"] is False
+        assert terminal["reason"] == reason
+    else:
+        # A 5xx may follow processing, a 409 may mean an earlier attempt was processed: no proof.
+        assert result.request_sent is True and terminal["requestSent"] is True
+        assert terminal["reason"].startswith(f"provider_http_{status}: ")
+
+
+def test_simulator_rate_limit_is_request_sent_false(api: FakeApi, sim: Simulator) -> None:
+    sim.script(Fault.RATE_LIMITED)
+    result = client_for(api, sim).run(ADMISSION, idempotency_key="idem-1")
+    terminal = api.only().terminal
+    assert result.request_sent is False and terminal is not None and terminal["requestSent"] is False
+    entry = sim.entry(result.provider_request_id)
+    assert entry is not None and entry.status is BillingStatus.FAILED_UNPROCESSED
+
+
 def test_refused_provider_connection_is_request_sent_false(api: FakeApi) -> None:
     stopped = Simulator()
     provider_url = stopped.start()

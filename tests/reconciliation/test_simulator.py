@@ -295,6 +295,24 @@ def test_context_overflow_is_refused_and_not_billed(clock: FakeClock) -> None:
         assert get_json(simulator, "/v1/requests/prq-overflow")[1]["status"] == "not_found"
 
 
+def test_rate_limited_request_is_refused_with_429_and_not_billed(sim: Simulator) -> None:
+    sim.script(Fault.RATE_LIMITED)
+    with pytest.raises(openai.RateLimitError) as caught:
+        sdk(sim).chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=5, extra_headers={"X-Request-Id": "prq-429"}
+        )
+    assert caught.value.status_code == 429 and caught.value.code == "rate_limit_exceeded"
+    entry = sim.entry("prq-429")
+    assert entry is not None and entry.status is BillingStatus.FAILED_UNPROCESSED and not entry.billed
+    assert get_json(sim, "/v1/requests/prq-429")[1]["status"] == "not_found"
+    # Refused before any work, so the same id may be sent again and is then processed once.
+    sdk(sim).chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=5, extra_headers={"X-Request-Id": "prq-429"}
+    )
+    retried = sim.entry("prq-429")
+    assert retried is not None and retried.status is BillingStatus.COMPLETED
+
+
 def test_requests_without_a_bearer_token_or_with_bad_bodies_are_refused_unbilled(sim: Simulator) -> None:
     parts = urlsplit(sim.base_url)
     connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=5)
@@ -649,3 +667,55 @@ def test_stop_aborts_a_stream_in_flight(clock: FakeClock) -> None:
     entry = simulator.entry("prq-stop")
     connection.close()
     assert entry is not None and entry.status is BillingStatus.CUT
+
+
+def test_compare_matches_settled_usage_against_the_billing_ledger(sim: Simulator) -> None:
+    client = sdk(sim)
+    client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=6, extra_headers={"X-Request-Id": "prq-ok"}
+    )
+    client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=6, extra_headers={"X-Request-Id": "prq-wrong"}
+    )
+    client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=6, extra_headers={"X-Request-Id": "prq-open"}
+    )
+    sim.script(Fault.RESET_BEFORE_READ)
+    with pytest.raises(RESET):
+        raw_post(sim, stream_body(), {"X-Request-Id": "prq-unprocessed"})
+    ok, wrong = sim.entry("prq-ok"), sim.entry("prq-wrong")
+    assert ok is not None and wrong is not None
+    comparison = sim.compare(
+        {
+            "prq-ok": (ok.prompt_tokens, ok.completion_tokens),
+            "prq-wrong": (wrong.prompt_tokens, wrong.completion_tokens - 1),
+            "prq-unprocessed": (0, 0),
+            "prq-never-sent": (0, 0),
+        }
+    )
+    assert [(m.request_id, m.billed) for m in comparison.mismatches] == [
+        ("prq-wrong", (wrong.prompt_tokens, wrong.completion_tokens))
+    ]
+    assert comparison.unsettled == ("prq-open",), "billed, but nothing of ours settled it"
+    assert comparison.compared == 4 and not comparison.ok
+    assert comparison.billed_input == 3 * ok.prompt_tokens
+    assert sim.compare({"prq-ok": (ok.prompt_tokens, ok.completion_tokens + 1)}).mismatches[0].settled == (
+        ok.prompt_tokens,
+        ok.completion_tokens + 1,
+    )
+
+
+def test_compare_never_matches_a_request_still_running(sim: Simulator) -> None:
+    sim.script(Fault.DELAY, delay_s=0.5)
+    worker = threading.Thread(target=lambda: raw_post(sim, stream_body(), {"X-Request-Id": "prq-running"}))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while sim.entry("prq-running") is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        running = sim.entry("prq-running")
+        assert running is not None and running.status is BillingStatus.RUNNING
+        comparison = sim.compare({"prq-running": (running.prompt_tokens, 0)})
+        assert [m.request_id for m in comparison.mismatches] == ["prq-running"], "its bill is not final"
+    finally:
+        worker.join()

@@ -1,0 +1,251 @@
+"""What the admin pages show, and the catalog edits, token rotation, billing import and increase revocation
+that go through them (each recorded in the change log)."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from datetime import timedelta
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from budgeting import admin_services
+from budgeting.admin_services import Actor
+from budgeting.models import ApiToken, ChangeRecord, ServiceClient, TemporaryIncrease, Tenant, Tokenizer
+from ledger.models import CapacityAccount, Reservation, Scope, State
+from reconciliation.models import BillingFinding, BillingImport, FindingKind
+from tests.admin.conftest import login
+from tests.factories import ServiceClientFactory, issue_token
+
+pytestmark = pytest.mark.django_db
+
+
+def page(client: Client, name: str, *args: object, query: str = "") -> str:
+    response = client.get(reverse(f"admin:{name}", args=args) + query)
+    assert response.status_code == 200
+    return response.content.decode()
+
+
+def test_reservation_page_shows_lifecycle_holds_entries_usage_lease_and_manifest(users, scenario):
+    r = scenario.reservations["dedup"]
+    html = page(login("analyst"), "ledger_reservation_change", r.pk)
+    for text in (
+        "Admitted (RESERVED)",
+        "Dispatched",
+        "Usage u1 (final)",
+        "Settled (COMPLETED)",
+        "on 2 accounts",  # one timeline line per operation, whatever the number of accounts
+        "pool eu-large",  # a hold
+        "fence 1",
+        "DEDUP_EVIDENCE",
+        "e3, e4",  # the ladder step's removed ids
+        "2600",  # tokens before the step
+    ):
+        assert text in html, text
+    assert html.index("Admitted (RESERVED)") < html.index("Dispatched") < html.index("Settled (COMPLETED)")
+    assert 'name="state"' not in html  # read-only: no field to edit
+
+
+def test_reservation_list_filters_by_state_and_rung(users, scenario):
+    analyst = login("analyst")
+    reconciling = page(analyst, "ledger_reservation_changelist", query="?state__exact=RECONCILING")
+    assert "req-unknown" in reconciling and "req-full" not in reconciling
+    trimmed = page(analyst, "ledger_reservation_changelist", query="?rung=TRIM_EVIDENCE")
+    assert "req-overrun" in trimmed and "req-dedup" not in trimmed
+
+
+def test_backlog_lists_reconciling_reservations_with_their_age(users, scenario):
+    html = page(login("analyst"), "ledger_reservation_backlog")
+    assert "req-unknown" in html and "40 min" in html
+    assert "req-full" not in html
+    assert "<svg" in html
+
+
+def test_replay_shows_the_replay_result_or_says_it_is_unavailable(users, scenario, monkeypatch):
+    analyst = login("analyst")
+    manifest = scenario.manifests["dedup"]
+    html = page(analyst, "budgeting_manifest_replay", manifest.pk)
+    assert "matches the record" in html or "MISMATCH" in html
+    monkeypatch.setitem(sys.modules, "budgeting.replay", None)  # import now raises ImportError
+    html = page(analyst, "budgeting_manifest_replay", manifest.pk)
+    assert "Replay is not available" in html
+
+
+def test_account_list_shows_balances_and_usage_bars_and_filters(users, scenario):
+    finance = login("finance")
+    html = page(finance, "ledger_capacityaccount_changelist")
+    assert "tb-bar" in html and "tenant t-19" in html and "pool eu-large" in html
+    pools_only = page(finance, "ledger_capacityaccount_changelist", query="?scope__exact=POOL")
+    assert "pool eu-large" in pools_only and "tenant t-19" not in pools_only
+    searched = page(finance, "ledger_capacityaccount_changelist", query="?q=eu-large")
+    assert "pool eu-large" in searched and "tenant t-19<" not in searched
+
+
+def test_catalog_edits_need_a_reason_and_are_logged_before_and_after(users, scenario):
+    platform = login("platform")
+    tenant = scenario.tenant
+    url = reverse("admin:budgeting_tenant_change", args=[tenant.pk])
+    body = {"slug": tenant.slug, "name": tenant.name, "internal": "on", "rollout_mode": "SHADOW"}
+    refused = platform.post(url, body)
+    assert refused.status_code == 200 and "This field is required" in refused.content.decode()
+    assert Tenant.objects.get(pk=tenant.pk).rollout_mode == "ENFORCE"
+    assert platform.post(url, {**body, "change_reason": "pause enforcement"}).status_code == 302
+    record = ChangeRecord.objects.get(action="tenant.change")
+    assert (record.before["rollout_mode"], record.after["rollout_mode"]) == ("ENFORCE", "SHADOW")
+    assert (record.before["internal"], record.after["internal"]) == (False, True)
+    assert record.actor_username == "platform"
+    assert "pause enforcement" in page(platform, "budgeting_changerecord_changelist")
+
+
+def test_many_to_many_edits_are_logged_as_ids(users, scenario):
+    client = ServiceClientFactory(name="gw", tenants=[scenario.tenant])
+    other = Tenant.objects.create(slug="t-77", name="Other")
+    url = reverse("admin:budgeting_serviceclient_change", args=[client.pk])
+    body = {
+        "name": "gw",
+        "is_active": "on",
+        "tenants": [scenario.tenant.pk, other.pk],
+        "change_reason": "onboard t-77",
+        "tokens-TOTAL_FORMS": "0",
+        "tokens-INITIAL_FORMS": "0",
+    }
+    assert login("platform").post(url, body).status_code == 302
+    record = ChangeRecord.objects.get(action="serviceclient.change")
+    assert record.before["tenants"] == [scenario.tenant.pk]
+    assert record.after["tenants"] == sorted([scenario.tenant.pk, other.pk])
+
+
+def test_ramp_percent_is_edited_on_the_task_class(users, scenario):
+    platform = login("platform")
+    task = scenario.task_class
+    url = reverse("admin:budgeting_taskclass_change", args=[task.pk])
+    body = {
+        "slug": task.slug,
+        "description": "",
+        "input_cap": task.input_cap,
+        "max_output_cap": task.max_output_cap,
+        "queue_deadline_seconds": 60,
+        "ramp_percent": 25,
+        "tenant_account_defaults": "null",
+        "change_reason": "ramp to a quarter",
+    }
+    assert platform.post(url, body).status_code == 302
+    task.refresh_from_db()
+    assert task.ramp_percent == 25
+    assert ChangeRecord.objects.get(action="taskclass.change").after["ramp_percent"] == 25
+
+
+def test_tokenizer_digest_is_read_from_the_file(users, settings, tmp_path):
+    (tmp_path / "tok.json").write_text('{"model": {"type": "WordLevel"}}')
+    settings.TOKENIZER_DIR = tmp_path
+    platform = login("platform")
+    body = {
+        "name": "tok",
+        "family": "wordlevel",
+        "source": "test",
+        "file_name": "tok.json",
+        "change_reason": "new",
+    }
+    assert platform.post(reverse("admin:budgeting_tokenizer_add"), body).status_code == 302
+    tokenizer = Tokenizer.objects.get(name="tok")
+    assert tokenizer.digest == "sha256:" + hashlib.sha256((tmp_path / "tok.json").read_bytes()).hexdigest()
+    escape = platform.post(
+        reverse("admin:budgeting_tokenizer_add"), {**body, "name": "x", "file_name": "../x"}
+    )
+    assert escape.status_code == 200 and "no file" in escape.content.decode()
+
+
+def test_token_rotation_shows_the_new_token_once_and_can_revoke_the_old(users, cat):
+    client = ServiceClientFactory(tenants=[cat.tenant])
+    old = issue_token(client, "tb_old_token_aaaaaaaaaaaaaaaaaaaa")
+    platform = login("platform")
+    url = reverse("admin:budgeting_serviceclient_rotate", args=[client.pk])
+    html = platform.post(url, {"reason": "leaked in a log", "revoke_current": "on"}).content.decode()
+    new = html.split('class="tb-token tb-mono">')[1].split("<")[0]
+    assert new.startswith("tb_") and new not in page(platform, "budgeting_serviceclient_change", client.pk)
+    reservation_url = "/api/v1/reservations/00000000-0000-0000-0000-000000000000"
+    assert Client().get(reservation_url, HTTP_AUTHORIZATION=f"Bearer {old}").status_code == 401
+    assert Client().get(reservation_url, HTTP_AUTHORIZATION=f"Bearer {new}").status_code == 404
+    record = ChangeRecord.objects.get(action="client.token_rotate")
+    assert record.after == {"newTokenPrefix": new[:8], "revokedTokens": 1}
+    assert new not in str(record.after)  # only the prefix is kept
+
+
+def test_token_revocation_goes_through_a_confirmation(users, cat):
+    client = ServiceClientFactory(tenants=[cat.tenant])
+    issue_token(client, "tb_some_token_aaaaaaaaaaaaaaaaaaa")
+    token = ApiToken.objects.get(client=client)
+    platform = login("platform")
+    url = reverse("admin:budgeting_serviceclient_revoke_token", args=[client.pk, token.pk])
+    assert "Revoke token" in platform.get(url).content.decode()
+    assert ApiToken.objects.get(pk=token.pk).revoked_at is None
+    assert platform.post(url, {"reason": "client retired"}).status_code == 302
+    assert ApiToken.objects.get(pk=token.pk).revoked_at is not None
+    assert ServiceClient.objects.get(pk=client.pk).tokens.filter(revoked_at__isnull=True).count() == 0
+
+
+def test_billing_import_upload_settles_reconciling_and_reports_duplicates(users, scenario):
+    unknown = scenario.reservations["unknown"]
+    assert unknown.state == State.RECONCILING
+    export = (
+        "request_id,model,input_tokens,output_tokens,start_time\n"
+        f"{unknown.provider_request_id},{scenario.model.name},700,40,2026-11-30T05:00:00+00:00\n"
+        f"{unknown.provider_request_id},{scenario.model.name},700,40,2026-11-30T05:00:00+00:00\n"
+    )
+    finance = login("finance")
+    upload = SimpleUploadedFile("export-nov.csv", export.encode(), content_type="text/csv")
+    response = finance.post(
+        reverse("admin:reconciliation_billingimport_upload"),
+        {"export": upload, "fmt": "csv", "reason": "November export"},
+        follow=True,
+    )
+    assert response.status_code == 200
+    billing_import = BillingImport.objects.get()
+    assert Reservation.objects.get(pk=unknown.pk).state == State.SETTLED
+    assert BillingFinding.objects.filter(billing_import=billing_import, kind=FindingKind.DUPLICATE).exists()
+    html = page(finance, "reconciliation_billingimport_change", billing_import.pk)
+    assert "Duplicate" in html
+    listing = page(finance, "reconciliation_billingimport_changelist")
+    assert "export-nov.csv" in listing
+    assert ChangeRecord.objects.get(action="billing.import").reason == "November export"
+
+
+def test_revoking_a_temporary_increase_from_the_list_takes_it_back(users, scenario):
+    account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant=scenario.tenant)
+    increase = admin_services.grant_temporary_increase(
+        account_id=account.pk,
+        input_tokens=0,
+        output_tokens=5000,
+        concurrency=0,
+        expires_at=timezone.now() + timedelta(days=1),
+        reason="promo",
+        actor=Actor(None, "finance"),
+        now=timezone.now(),
+    )
+    finance = login("finance")
+    url = reverse("admin:budgeting_temporaryincrease_changelist")
+    confirm = finance.post(url, {"action": "revoke", "_selected_action": [increase.pk]})
+    assert "Revoke temporary increases" in confirm.content.decode()
+    assert TemporaryIncrease.objects.get(pk=increase.pk).ended_at is None
+    finance.post(url, {"action": "revoke", "_selected_action": [increase.pk], "reason": "promo cancelled"})
+    assert TemporaryIncrease.objects.get(pk=increase.pk).end_reason == "revoked: promo cancelled"
+    assert CapacityAccount.objects.get(pk=account.pk).output_limit == 100_000
+
+
+def test_change_record_page_shows_before_and_after(users, scenario):
+    account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant=scenario.tenant)
+    admin_services.post_correction(
+        account_id=account.pk,
+        input_consumed=-5,
+        output_consumed=0,
+        reason="refund",
+        actor=Actor(None, "finance"),
+    )
+    record = ChangeRecord.objects.get(action="ledger.correction")
+    html = page(login("finance"), "budgeting_changerecord_change", record.pk)
+    assert f"<td>{account.input_consumed}</td><td>{account.input_consumed - 5}</td>" in html
+    assert "refund" in html

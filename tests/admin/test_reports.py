@@ -1,0 +1,178 @@
+"""The analysts' reports: the exports parse, their totals match the database, costs come from the price in
+effect, FOCUS columns are there, and only staff sessions with a report role may read them."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db.models import F, Sum
+from django.test import Client
+from django.utils import timezone
+
+from budgeting import reports
+from budgeting.models import Manifest, Price
+from ledger.models import Reservation, State
+from tests.admin.conftest import login
+from tests.factories import ServiceClientFactory, issue_token
+
+pytestmark = pytest.mark.django_db
+URL = "/api/v1/reports"
+
+
+def today() -> str:
+    return timezone.now().date().isoformat()
+
+
+def rows(response) -> list[dict[str, str]]:
+    assert response["Content-Type"].startswith("text/csv")
+    assert response.streaming
+    text = b"".join(response.streaming_content).decode()
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def db_totals() -> dict[str, int]:
+    settled = Reservation.objects.exclude(state__in=[State.PROPOSED, State.REJECTED])
+    sums = settled.aggregate(i=Sum("input_consumed"), o=Sum(F("captured") + F("overrun")))
+    return {"requests": settled.count(), "input": sums["i"], "output": sums["o"]}
+
+
+def test_csv_parses_and_its_totals_match_the_database(users, scenario):
+    got = rows(login("analyst").get(URL, {"format": "csv", "from": today(), "to": today()}))
+    expected = db_totals()
+    assert expected["requests"] == 5 and expected["input"] > 0 and expected["output"] > 0
+    assert sum(int(r["requests"]) for r in got) == expected["requests"]
+    assert sum(int(r["inputTokens"]) for r in got) == expected["input"]
+    assert sum(int(r["outputTokens"]) for r in got) == expected["output"]
+    assert list(got[0]) == list(reports.USAGE_COLUMNS)
+    for r in got:
+        input_cost = Decimal(r["inputTokens"]) * Decimal("3") / 1_000_000
+        output_cost = Decimal(r["outputTokens"]) * Decimal("15") / 1_000_000
+        assert Decimal(r["inputCost"]) == input_cost.quantize(Decimal("0.000001"))
+        assert Decimal(r["cost"]) == Decimal(r["inputCost"]) + Decimal(r["outputCost"])
+        assert r["currency"] == "USD"
+        assert output_cost.quantize(Decimal("0.000001")) == Decimal(r["outputCost"])
+
+
+def test_json_report_agrees_with_the_csv_and_the_manifests(users, scenario):
+    analyst = login("analyst")
+    body = analyst.get(URL, {"from": today(), "to": today()}).json()
+    got = rows(analyst.get(URL, {"format": "csv", "from": today(), "to": today()}))
+    totals = body["totals"]
+    assert totals["requests"] == db_totals()["requests"]
+    assert totals["inputTokens"] == db_totals()["input"]
+    assert Decimal(totals["cost"]["USD"]) == sum(Decimal(r["cost"]) for r in got)
+    assert totals["unpricedRequests"] == 0
+    per_rung = {row["rung"]: row["requests"] for row in body["requestsPerRung"]}
+    assert sum(per_rung.values()) == Manifest.objects.count() == 7
+    assert per_rung["FULL"] == 4 and per_rung["QUEUE_OR_REJECT"] == 1
+    assert body["decisions"]["byMode"] == {"ENFORCE": 6, "SHADOW": 1}
+    quality = {row["rung"]: row for row in body["qualityByRung"]}
+    assert quality["FULL"]["successRate"] == 1.0 and quality["DEDUP_EVIDENCE"]["successRate"] == 0.0
+    assert quality["DEDUP_EVIDENCE"]["citationCompleteness"] == 0.5
+    [deviation] = body["deviationByModel"]
+    assert deviation["n"] == 3  # full (-1 %), dedup (0 %), overrun (+4 %)
+    assert deviation["p50Percent"] == 0.0 and deviation["meanPercent"] == 1.0
+    assert sum(b["count"] for b in body["deviationHistogram"]) == 3
+    assert body["contextOverflows"] == 1
+    assert body["reconcilingBacklog"]["count"] == 1
+    sources = {s["source"]: s for s in body["settledVsBilled"]}
+    assert sources["provider usage report"]["inputTokens"] == (990 - 1000) + (520 - 500)
+
+
+def test_focus_export_uses_focus_columns_and_adds_up(users, scenario):
+    got = rows(login("finance").get(URL, {"format": "focus", "from": today(), "to": today()}))
+    for column in ("BilledCost", "EffectiveCost", "ChargePeriodStart", "ChargePeriodEnd", "ServiceName"):
+        assert column in got[0]
+    assert {r["ConsumedUnit"] for r in got} == {"Tokens"}
+    assert {r["x_TokenDirection"] for r in got} == {"input", "output"}
+    assert sum(int(r["ConsumedQuantity"]) for r in got) == db_totals()["input"] + db_totals()["output"]
+    json_cost = Decimal(
+        login("finance").get(URL, {"from": today(), "to": today()}).json()["totals"]["cost"]["USD"]
+    )
+    assert sum(Decimal(r["BilledCost"]) for r in got) == json_cost
+    for r in got:
+        # ListCost is ListUnitPrice × PricingQuantity, rounded to the cost quantum (1e-6).
+        exact = Decimal(r["ListUnitPrice"]) * Decimal(r["PricingQuantity"])
+        assert abs(exact - Decimal(r["ListCost"])) <= Decimal("0.0000005")
+        assert r["ChargePeriodStart"].endswith("T00:00:00Z")
+
+
+def test_a_price_change_splits_usage_at_the_effective_date(users, scenario):
+    model = scenario.model
+    change = timezone.now() - timedelta(minutes=1)
+    early = scenario.reservations["full"]
+    Reservation.objects.filter(pk=early.pk).update(created_at=change - timedelta(hours=1))
+    Price.objects.create(
+        model_revision=model,
+        effective_from=change,
+        input_per_million=Decimal("6"),
+        output_per_million=Decimal("30"),
+    )
+    got = rows(login("analyst").get(URL, {"format": "csv", "from": today(), "to": today()}))
+    by_price = {}
+    for r in got:
+        by_price.setdefault(r["inputPricePerMillion"], 0)
+        by_price[r["inputPricePerMillion"]] += int(r["requests"])
+    assert by_price == {"3.000000": 1, "6.000000": 4}
+
+
+def test_requests_without_a_price_are_reported_not_costed(users, scenario):
+    Price.objects.all().delete()
+    body = login("analyst").get(URL, {"from": today(), "to": today()}).json()
+    assert body["totals"]["cost"] == {}
+    assert body["totals"]["unpricedRequests"] == 5
+    assert all(row["cost"] is None for row in body["usage"])
+
+
+def test_scope_filters_narrow_the_report(users, scenario):
+    other = login("analyst").get(URL, {"from": today(), "to": today(), "pool": scenario.pool.slug}).json()
+    assert other["totals"]["requests"] == 5
+    outside = login("analyst").get(URL, {"from": "2020-01-01", "to": "2020-01-31"}).json()
+    assert outside["totals"]["requests"] == 0 and outside["usage"] == []
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"from": "2026-02-01", "to": "2026-01-01"}, "from"),
+        ({"from": "yesterday"}, "from"),
+        ({"tenant": "no-such-tenant"}, "tenant"),
+        ({"format": "xml"}, "format"),
+        ({"from": "2020-01-01", "to": "2026-01-01"}, "from"),
+    ],
+)
+def test_bad_parameters_answer_400_naming_the_parameter(users, params, field):
+    response = login("analyst").get(URL, params)
+    assert response.status_code == 400
+    assert response["Content-Type"] == "application/problem+json"
+    assert response.json()["field"] == field
+
+
+def test_only_staff_sessions_with_a_report_role_may_read(users, cat):
+    assert Client().get(URL).status_code == 401
+    gateway = ServiceClientFactory(tenants=[cat.tenant])
+    token = issue_token(gateway, "tb_report_probe_aaaaaaaaaaaaaaaa")
+    assert Client().get(URL, HTTP_AUTHORIZATION=f"Bearer {token}").status_code == 401
+    assert login("nobody").get(URL).status_code == 403
+    for role in ("analyst", "finance", "platform"):
+        assert login(role).get(URL).status_code == 200
+    assert login("analyst").post(URL).status_code == 405
+
+
+def test_the_report_page_draws_its_charts_inline(users, scenario):
+    html = login("analyst").get("/admin/budgeting/usagereport/").content.decode()
+    assert html.count("<svg") >= 3
+    assert "Requests per rung" in html and "Reconciling backlog by age" in html
+    assert "format=csv" in html and "format=focus" in html
+    assert "http://" not in html.split("</head>")[1].replace("http://www.w3.org", "")
+
+
+def test_report_days_are_utc_calendar_days(users, scenario):
+    query = reports.parse_query({"from": "2026-03-01", "to": "2026-03-02"}, today=datetime(2026, 3, 5).date())
+    assert query.start == datetime(2026, 3, 1, tzinfo=UTC)
+    assert query.end == datetime(2026, 3, 3, tzinfo=UTC)
+    assert [d.isoformat() for d in query.days] == ["2026-03-01", "2026-03-02"]
