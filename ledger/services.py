@@ -253,33 +253,51 @@ def _apply(
     in_flight: int = 0,
     now: datetime,
 ) -> None:
-    """Move balances on every held account (ascending pk) and write one entry per account."""
+    """Move balances on every held account (ascending pk) and write one entry per account.
+
+    A decrease of consumed tokens (a refund or a downward correction) for a call dispatched before an
+    account's current period began belongs to the closed period: it is not taken from the new period's
+    consumption (which may be smaller, and must not go negative), and the entry says so.
+    """
     if not any((input_reserved, output_reserved, input_consumed, output_consumed, in_flight)):
         return
+    periods = dict(CapacityAccount.objects.filter(pk__in=account_ids).values_list("pk", "period_start"))
+    since = reservation.dispatched_at or reservation.created_at
+    entries = []
     for account_id in sorted(account_ids):
+        closed = since is not None and since < periods[account_id]
+        in_consumed = 0 if closed and input_consumed < 0 else input_consumed
+        out_consumed = 0 if closed and output_consumed < 0 else output_consumed
+        deltas = (input_reserved, output_reserved, in_consumed, out_consumed, in_flight)
+        if not any(deltas):
+            continue
         CapacityAccount.objects.filter(pk=account_id).update(
             input_reserved=F("input_reserved") + input_reserved,
             output_reserved=F("output_reserved") + output_reserved,
-            input_consumed=F("input_consumed") + input_consumed,
-            output_consumed=F("output_consumed") + output_consumed,
+            input_consumed=F("input_consumed") + in_consumed,
+            output_consumed=F("output_consumed") + out_consumed,
             in_flight=F("in_flight") + in_flight,
         )
-    periods = dict(CapacityAccount.objects.filter(pk__in=account_ids).values_list("pk", "period_start"))
-    LedgerEntry.objects.bulk_create(
-        LedgerEntry(
-            account_id=account_id,
-            reservation=reservation,
-            kind=kind,
-            input_reserved=input_reserved,
-            output_reserved=output_reserved,
-            input_consumed=input_consumed,
-            output_consumed=output_consumed,
-            in_flight=in_flight,
-            period_start=periods[account_id],
-            reason=reason,
+        note = (
+            " (decrease belongs to a closed period)"
+            if (in_consumed, out_consumed) != (input_consumed, output_consumed)
+            else ""
         )
-        for account_id in sorted(account_ids)
-    )
+        entries.append(
+            LedgerEntry(
+                account_id=account_id,
+                reservation=reservation,
+                kind=kind,
+                input_reserved=input_reserved,
+                output_reserved=output_reserved,
+                input_consumed=in_consumed,
+                output_consumed=out_consumed,
+                in_flight=in_flight,
+                period_start=periods[account_id],
+                reason=(reason + note)[:300],
+            )
+        )
+    LedgerEntry.objects.bulk_create(entries)
 
 
 def _held_account_ids(reservation: Reservation) -> list[int]:

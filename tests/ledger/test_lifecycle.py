@@ -397,3 +397,27 @@ def test_ledger_rows_cannot_be_edited():
     assert entry is not None
     with pytest.raises(DatabaseError), transaction.atomic():
         LedgerEntry.objects.filter(pk=entry.pk).update(input_reserved=0)
+
+
+def test_a_refund_after_the_period_rolled_over_stays_in_the_closed_period(setup):
+    """Consumption posted in March and refunded in April must not drive April's consumption negative."""
+    from datetime import UTC, datetime
+
+    cat, t, _ = setup
+    r = dispatched(cat)
+    Reservation.objects.filter(pk=r.pk).update(dispatched_at=datetime(2020, 1, 15, tzinfo=UTC))
+    CapacityAccount.objects.filter(pk=t.pk).update(period_start=datetime(2020, 1, 1, tzinfo=UTC))
+    services.roll_over(account_id=t.pk, now=now())
+    assert balances(t)[2] == 0, "the new period starts with nothing consumed"
+    r = services.fail(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        reason="connection refused",
+        request_sent=services.RequestSent.NO,
+        usage=None,
+        now=now(),
+    )
+    assert (r.state, r.outcome) == (State.SETTLED, Outcome.RELEASED)
+    assert balances(t) == (0, 0, 0, 0, 0)
+    assert audit().ok
