@@ -124,8 +124,16 @@ def _model_used(ctx: Context, decision: Decision) -> ModelRevision:
 
 
 def full_digest(components: Components) -> str:
-    """Digest of the request as sent (the FULL payload before any rung): the idempotency fingerprint."""
+    """Digest of the request's FULL payload as sent, before any rung."""
     return rendered_digest(build_payload(components))
+
+
+def request_fingerprint(ctx: Context) -> str:
+    """What an Idempotency-Key is bound to: the FULL payload and every envelope field that changes the
+    decision or the reservation (a retry must repeat all of them)."""
+    envelope = {name: ctx.envelope.get(name) for name in
+                ("requestId", "taskClass", "modelPool", "modelRevision", "maxOutput")}
+    return rendered_digest({"payload": build_payload(ctx.components), "envelope": envelope})
 
 
 def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
@@ -278,7 +286,7 @@ def _admit(
         )
     ctx = _resolve(tenants, envelope)
     decision = _run_ladder(ctx)
-    request_digest = full_digest(ctx.components)
+    request_digest = request_fingerprint(ctx)
     earlier = ledger.find_by_idempotency_key(
         tenant=ctx.tenant, idempotency_key=idempotency_key, rendered_digest=request_digest
     )
@@ -286,10 +294,12 @@ def _admit(
         return _replay(earlier)
     mode = _mode(ctx)
     manifest = _record_manifest(ctx, decision, mode, raw)
-    if not decision.fits:
-        raise _rejection(ctx, decision, manifest)
     body = _decision_body(ctx, decision)
     if mode == RolloutMode.SHADOW:
+        # Shadow never blocks: whatever was decided (even a rejection) is recorded and counted, and the caller
+        # gets its request back unchanged with nothing held.
+        if not decision.fits:
+            body["wouldReject"] = _rejection(ctx, decision, manifest).body()
         return Result(
             200,
             {
@@ -300,6 +310,8 @@ def _admit(
                 "note": "shadow: decision recorded, request unchanged, no capacity held",
             },
         )
+    if not decision.fits:
+        raise _rejection(ctx, decision, manifest)
     body["payload"] = decision.payload
     body["mode"] = RolloutMode.ENFORCE
     r = ctx.resolved
@@ -324,9 +336,17 @@ def _admit(
         queue_deadline_seconds=r.queue_deadline_seconds,
         request_body={"decisionBody": body},
     )
-    admitted = ledger.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
+    try:
+        admitted = ledger.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
+    except ledger.QuotaExceeded:
+        # The ladder admitted it; the ledger did not. The manifest says what was finally answered.
+        Manifest.objects.filter(pk=manifest.pk).update(decision="QUOTA_EXCEEDED")
+        raise
     if admitted.replayed:
+        Manifest.objects.filter(pk=manifest.pk).update(decision="IDEMPOTENT_REPLAY")
         return _replay(admitted.reservation)
+    if admitted.reservation.state == State.PROPOSED:
+        Manifest.objects.filter(pk=manifest.pk).update(decision="QUEUED")
     return _answer(admitted.reservation)
 
 

@@ -82,8 +82,10 @@ def reserve_on_accounts(
                    in_flight = a.in_flight + %(c)s
               FROM ordered
              WHERE a.id = ordered.id
-               AND (a.input_limit IS NULL OR a.input_reserved + a.input_consumed + %(i)s <= a.input_limit)
-               AND (a.output_limit IS NULL OR a.output_reserved + a.output_consumed + %(o)s <= a.output_limit)
+               AND (a.input_limit IS NULL OR %(i)s = 0
+                    OR a.input_reserved + a.input_consumed + %(i)s <= a.input_limit)
+               AND (a.output_limit IS NULL OR %(o)s = 0
+                    OR a.output_reserved + a.output_consumed + %(o)s <= a.output_limit)
                AND (a.concurrency_limit IS NULL OR %(c)s = 0 OR a.in_flight + %(c)s <= a.concurrency_limit)
             RETURNING a.id
             """,

@@ -204,11 +204,16 @@ class Reservation(FSMModelMixin, models.Model):
                 name="reservation_output_conservation",
             ),
             models.CheckConstraint(condition=Q(fence__gte=1), name="reservation_fence_positive"),
+            # Billing exports and provider lookups name a call only by this id, so it must name one call.
+            models.UniqueConstraint(
+                fields=["provider_request_id"],
+                condition=~Q(provider_request_id=""),
+                name="reservation_unique_provider_request_id",
+            ),
         ]
         indexes = [
             models.Index(fields=["state", "lease_expires_at"]),
             models.Index(fields=["state", "created_at"]),
-            models.Index(fields=["provider_request_id"]),
         ]
 
     def __str__(self) -> str:

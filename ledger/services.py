@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
-from django.db.models import F, Q
+from django.db.models import F, Q, Sum
 
 from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from budgeting.problems import Conflict, NotFound, Problem, Unavailable
@@ -255,21 +255,31 @@ def _apply(
 ) -> None:
     """Move balances on every held account (ascending pk) and write one entry per account.
 
-    A decrease of consumed tokens (a refund or a downward correction) for a call dispatched before an
-    account's current period began belongs to the closed period: it is not taken from the new period's
-    consumption (which may be smaller, and must not go negative), and the entry says so.
+    A decrease of consumed tokens (a refund or a downward correction) is limited, per account, to what this
+    reservation posted into the account's current period: the rest was consumed in a period that has since
+    been closed by a roll-over, stays there, and is not taken from the new period (which must not go
+    negative). The entry records what was applied and says when part of the decrease stayed behind.
     """
     if not any((input_reserved, output_reserved, input_consumed, output_consumed, in_flight)):
         return
     periods = dict(CapacityAccount.objects.filter(pk__in=account_ids).values_list("pk", "period_start"))
-    since = reservation.dispatched_at or reservation.created_at
+    posted: dict[int, tuple[int, int]] = {}
+    if input_consumed < 0 or output_consumed < 0:
+        for row in (
+            LedgerEntry.objects.filter(reservation=reservation, account_id__in=account_ids)
+            .values("account_id", "period_start")
+            .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"))
+        ):
+            if row["period_start"] == periods[row["account_id"]]:
+                posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0)
     entries = []
     for account_id in sorted(account_ids):
-        closed = since is not None and since < periods[account_id]
-        in_consumed = 0 if closed and input_consumed < 0 else input_consumed
-        out_consumed = 0 if closed and output_consumed < 0 else output_consumed
-        deltas = (input_reserved, output_reserved, in_consumed, out_consumed, in_flight)
-        if not any(deltas):
+        in_consumed, out_consumed = input_consumed, output_consumed
+        if input_consumed < 0:
+            in_consumed = max(input_consumed, -posted.get(account_id, (0, 0))[0])
+        if output_consumed < 0:
+            out_consumed = max(output_consumed, -posted.get(account_id, (0, 0))[1])
+        if not any((input_reserved, output_reserved, in_consumed, out_consumed, in_flight)):
             continue
         CapacityAccount.objects.filter(pk=account_id).update(
             input_reserved=F("input_reserved") + input_reserved,
@@ -278,11 +288,8 @@ def _apply(
             output_consumed=F("output_consumed") + out_consumed,
             in_flight=F("in_flight") + in_flight,
         )
-        note = (
-            " (decrease belongs to a closed period)"
-            if (in_consumed, out_consumed) != (input_consumed, output_consumed)
-            else ""
-        )
+        closed = (in_consumed, out_consumed) != (input_consumed, output_consumed)
+        note = " (part of the decrease belongs to a closed period)" if closed else ""
         entries.append(
             LedgerEntry(
                 account_id=account_id,
@@ -612,7 +619,13 @@ def dispatch(
             )
             return reservation
 
-    return with_retries(attempt)
+    try:
+        return with_retries(attempt)
+    except IntegrityError:
+        raise Conflict(
+            f"providerRequestId {provider_request_id!r} already names another call",
+            code="PROVIDER_REQUEST_ID_IN_USE",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -633,6 +646,18 @@ def _capture(
     final: bool,
     now: datetime,
 ) -> UsageEvent:
+    if (
+        input_tokens is not None
+        and reservation.input_reported is not None
+        and (input_tokens != reservation.input_reported)
+    ):
+        # The provider counts the input once; a second, different figure would move money backwards (an
+        # input of 0 would refund everything), so it is refused rather than trusted.
+        raise UsageEventConflict(
+            f"inputTokens {input_tokens} differs from the {reservation.input_reported} already reported",
+            code="INPUT_ALREADY_REPORTED",
+            recorded={"inputTokens": reservation.input_reported},
+        )
     take = min(output_tokens, reservation.remaining)
     over = output_tokens - take
     event = UsageEvent.objects.create(
@@ -883,12 +908,23 @@ def fail(
                 )
                 reservation.failure_reason = f"never processed: {reason}"
             elif reservation.state in {State.DISPATCHED, State.RUNNING}:
-                if (
-                    usage is not None
-                    and not UsageEvent.objects.filter(
+                earlier = None
+                if usage is not None:
+                    earlier = UsageEvent.objects.filter(
                         reservation=reservation, usage_event_id=usage.usage_event_id
-                    ).exists()
-                ):
+                    ).first()
+                    if earlier is not None and (earlier.output_tokens, earlier.input_tokens) != (
+                        usage.output_tokens,
+                        usage.input_tokens,
+                    ):
+                        raise UsageEventConflict(
+                            f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                            recorded={
+                                "outputTokens": earlier.output_tokens,
+                                "inputTokens": earlier.input_tokens,
+                            },
+                        )
+                if usage is not None and earlier is None:
                     _capture(
                         reservation,
                         account_ids,
@@ -975,41 +1011,49 @@ def claim_expired_leases(*, now: datetime, limit: int = 100) -> tuple[list[uuid.
     provider call, so its absence proves the call was never sent. Dispatched ones are frozen in RECONCILING
     with nothing released, and returned as claims for a provider lookup. Returns (released ids, claims).
     Safe to run twice at once: a row another reclaimer holds is skipped, a row it already moved is not
-    reclaimable any more.
+    reclaimable any more. One reservation per transaction: releasing touches its accounts, and holding
+    several reservations' accounts at once would break the canonical lock order.
     """
     released: list[uuid.UUID] = []
     claims: list[Claim] = []
+    for _ in range(limit):
+        outcome = with_retries(lambda: _claim_one_expired(now))
+        if outcome is None:
+            break
+        if isinstance(outcome, Claim):
+            claims.append(outcome)
+        else:
+            released.append(outcome)
+    return released, claims
+
+
+def _claim_one_expired(now: datetime) -> Claim | uuid.UUID | None:
     with transaction.atomic(durable=True):
         db_now = locks.db_now()
         assert isinstance(db_now, datetime)
-        expired = locks.lock_expired_leases(RECLAIMABLE, db_now, limit)
-        for reservation in expired:
-            reservation.fence += 1
-            account_ids = _held_account_ids(reservation)
-            if reservation.state == State.RESERVED and reservation.dispatched_at is None:
-                _transition_settle(
-                    reservation,
-                    reservation.release_undispatched,
-                    account_ids,
-                    reason="lease expired with no dispatch record",
-                    now=now,
-                    release_input=reservation.input_reserved,
-                )
-                reservation.failure_reason = "lease expired before dispatch"
-                released.append(reservation.pk)
-            else:
-                reservation.freeze_unknown()
-                reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
-                claims.append(
-                    Claim(
-                        reservation.pk,
-                        reservation.fence,
-                        reservation.provider_request_id,
-                        reservation.model_pool_id,
-                    )
-                )
+        expired = locks.lock_expired_leases(RECLAIMABLE, db_now, 1)
+        if not expired:
+            return None
+        reservation = expired[0]
+        reservation.fence += 1
+        if reservation.state == State.RESERVED and reservation.dispatched_at is None:
+            _transition_settle(
+                reservation,
+                reservation.release_undispatched,
+                _held_account_ids(reservation),
+                reason="lease expired with no dispatch record",
+                now=now,
+                release_input=reservation.input_reserved,
+            )
+            reservation.failure_reason = "lease expired before dispatch"
             reservation.save()
-    return released, claims
+            return reservation.pk
+        reservation.freeze_unknown()
+        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
+        reservation.save()
+        return Claim(
+            reservation.pk, reservation.fence, reservation.provider_request_id, reservation.model_pool_id
+        )
 
 
 def claim_reconciling(*, limit: int = 100, min_age_seconds: int = 0) -> list[Claim]:
@@ -1066,8 +1110,18 @@ def settle_from_evidence(
                 return None
             if reservation.state not in {State.RECONCILING, *AFTER_DISPATCH}:
                 return None
+            if fence is None and reservation.state != State.RECONCILING:
+                # A billing record may settle a dispatched call only once its gateway's lease has run out;
+                # checked here, under the row lock, on the database clock.
+                db_now = locks.db_now()
+                assert isinstance(db_now, datetime)
+                if reservation.lease_expires_at is not None and reservation.lease_expires_at > db_now:
+                    return None
             account_ids = _held_account_ids(reservation)
             if evidence.kind == EvidenceKind.NOT_PROCESSED:
+                if reservation.state not in {State.RECONCILING, State.DISPATCHED}:
+                    # Usage already started flowing: "never processed" contradicts our record; keep it held.
+                    return None
                 transition = (
                     reservation.reconcile_unprocessed
                     if reservation.state == State.RECONCILING

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db import IntegrityError, transaction
+from django.db import connection, transaction
 from django.db.models import Sum
 
 from ledger import locks
@@ -54,6 +54,11 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
     findings: list[BillingFinding] = []
     try:
         with transaction.atomic(durable=True):
+            # Imports run one at a time: two overlapping cumulative exports must not both store a request.
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(hashtext('reconciliation.billing_import'))")
+            if BillingImport.objects.filter(content_sha256=digest).exists():
+                raise _AlreadyImported
             billing_import = BillingImport.objects.create(
                 source=source[:200],
                 fmt=fmt,
@@ -77,9 +82,8 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
             fresh, seen_again = _store_requests(billing_import, requests, findings)
             _store_buckets(billing_import, buckets, findings)
             BillingFinding.objects.bulk_create(findings)
-    except IntegrityError:
-        existing = BillingImport.objects.get(content_sha256=digest)
-        return ImportResult(existing, created=False)
+    except _AlreadyImported:
+        return ImportResult(BillingImport.objects.get(content_sha256=digest), created=False)
     # Settlement happens per reservation, each in its own transaction (the ledger's write path).
     settled_findings = _settle(billing_import, fresh, now)
     settled_findings += [f for f in _settle(billing_import, seen_again, now) if f.kind == FindingKind.SETTLED]
@@ -89,6 +93,10 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
     billing_import.findings_count = billing_import.findings.count()
     billing_import.save(update_fields=["settled", "findings_count"])
     return ImportResult(billing_import, created=True)
+
+
+class _AlreadyImported(Exception):
+    """The same export was imported while we waited for the import lock."""
 
 
 def _store_requests(
@@ -140,40 +148,27 @@ def _store_requests(
 def _store_buckets(
     billing_import: BillingImport, records: Sequence[BucketBillingRecord], findings: list[BillingFinding]
 ) -> None:
+    """Compare each bucket with what we captured. Exports are cumulative and an open bucket keeps growing,
+    so a bucket seen before is brought up to date (latest figures win) rather than stored twice."""
     for record in records:
         ours = Reservation.objects.filter(
             model_revision__name=record.model,
             dispatched_at__gte=record.bucket_start,
             dispatched_at__lt=record.bucket_end,
         ).aggregate(i=Sum("input_consumed"), c=Sum("captured"), o=Sum("overrun"))
-        captured_output = (ours["c"] or 0) + (ours["o"] or 0)
-        drift = BucketDrift(
-            billing_import=billing_import,
+        drift, _ = BucketDrift.objects.update_or_create(
             model=record.model,
             api_key_id=record.api_key_id or "",
             bucket_start=record.bucket_start,
             bucket_end=record.bucket_end,
-            billed_input=record.input_tokens,
-            billed_output=record.output_tokens,
-            captured_input=ours["i"] or 0,
-            captured_output=captured_output,
+            defaults={
+                "billing_import": billing_import,
+                "billed_input": record.input_tokens,
+                "billed_output": record.output_tokens,
+                "captured_input": ours["i"] or 0,
+                "captured_output": (ours["c"] or 0) + (ours["o"] or 0),
+            },
         )
-        if BucketDrift.objects.filter(
-            model=drift.model,
-            api_key_id=drift.api_key_id,
-            bucket_start=drift.bucket_start,
-            bucket_end=drift.bucket_end,
-        ).exists():
-            findings.append(
-                BillingFinding(
-                    billing_import=billing_import,
-                    kind=FindingKind.DUPLICATE,
-                    line=record.line,
-                    detail=f"bucket {record.model} {record.bucket_start:%Y-%m-%d %H:%M} already imported",
-                )
-            )
-            continue
-        drift.save()
         if drift.drift_input or drift.drift_output:
             findings.append(
                 BillingFinding(
@@ -181,8 +176,8 @@ def _store_buckets(
                     kind=FindingKind.BUCKET_DRIFT,
                     line=record.line,
                     detail=f"{record.model} {record.bucket_start:%Y-%m-%d %H:%M}: "
-                    f"billed {record.input_tokens}/"
-                    f"{record.output_tokens}, captured {drift.captured_input}/{drift.captured_output} "
+                    f"billed {record.input_tokens}/{record.output_tokens}, "
+                    f"captured {drift.captured_input}/{drift.captured_output} "
                     f"(drift {drift.drift_input:+d}/{drift.drift_output:+d})",
                 )
             )

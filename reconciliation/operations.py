@@ -66,20 +66,26 @@ def audit(*, now: datetime) -> dict[str, int]:
 
 
 def import_provider_billing(*, now: datetime) -> dict[str, int]:
-    """Fetch each pool's provider billing export (per request, JSONL) and import it; unchanged exports are
-    recognised by their digest and change nothing."""
+    """Fetch each pool's provider billing exports (per request and per hour bucket, JSONL) and import them;
+    an export seen before is recognised by its digest and changes nothing."""
     totals = {"imports": 0, "unchanged": 0, "failed": 0}
     for pool in ModelPool.objects.exclude(provider_base_url=""):
-        url = f"{pool.provider_base_url.rstrip('/')}/v1/billing/export?format=jsonl&granularity=request"
-        try:
-            with urllib.request.urlopen(url, timeout=10) as response:
-                text = response.read().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            logger.warning("billing export of pool %s unavailable: %s", pool.slug, exc)
-            totals["failed"] += 1
-            continue
-        result = billing.import_export(text=text, fmt="jsonl", source=f"pool {pool.slug}", now=now)
-        totals["imports" if result.created else "unchanged"] += 1
+        for granularity in ("request", "bucket"):
+            url = (
+                f"{pool.provider_base_url.rstrip('/')}/v1/billing/export?format=jsonl"
+                f"&granularity={granularity}&bucket=1h"
+            )
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    text = response.read().decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                logger.warning("billing export of pool %s unavailable: %s", pool.slug, exc)
+                totals["failed"] += 1
+                continue
+            result = billing.import_export(
+                text=text, fmt="jsonl", source=f"pool {pool.slug} ({granularity})", now=now
+            )
+            totals["imports" if result.created else "unchanged"] += 1
     return totals
 
 

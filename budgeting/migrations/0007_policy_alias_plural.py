@@ -4,14 +4,13 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('budgeting', '0006_validated_policies_immutable'),
+        ("budgeting", "0006_validated_policies_immutable"),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name='policyalias',
-            options={'ordering': ['name'], 'verbose_name_plural': 'policy aliases'},
+            name="policyalias",
+            options={"ordering": ["name"], "verbose_name_plural": "policy aliases"},
         ),
     ]

@@ -327,3 +327,31 @@ def test_replaying_a_request_the_queue_rejected_says_so(api):
     assert admit_queue(now=datetime.now(UTC))["rejected"] == 1
     replay = post(api, "/api/v1/admissions", request_body(), key="k-late")
     assert (replay.status_code, replay.json()["code"]) == (409, "QUEUE_DEADLINE_PASSED")
+
+
+def test_a_shadow_tenant_is_never_blocked_even_when_the_decision_would_reject(api):
+    body = request_body(tenantId="t-20")
+    body["components"]["immutableRules"] = ["Rule " * 30000]
+    res = post(api, "/api/v1/admissions", body, key="k-shadow-reject")
+    assert res.status_code == 200, res.json()
+    data = res.json()
+    assert data["mode"] == "SHADOW"
+    assert data["wouldReject"]["code"] == "CONTEXT_BUDGET_EXCEEDED"
+    assert data["payload"]["messages"][0]["content"][0]["text"].startswith("Rule Rule"), "request unchanged"
+    assert Manifest.objects.get().decision == "CONTEXT_BUDGET_EXCEEDED"
+    assert not Reservation.objects.exists()
+
+
+def test_the_same_key_with_another_task_class_or_request_id_conflicts(api):
+    assert post(api, "/api/v1/admissions", request_body(), key="k-env").status_code == 201
+    other_task = post(api, "/api/v1/admissions", request_body(taskClass="summarize"), key="k-env")
+    other_id = post(api, "/api/v1/admissions", request_body(requestId="req-other"), key="k-env")
+    assert other_task.json()["code"] == other_id.json()["code"] == "IDEMPOTENCY_CONFLICT"
+    assert Reservation.objects.count() == 1
+
+
+def test_a_quota_refusal_is_what_the_manifest_records(api):
+    CapacityAccount.objects.filter(scope=Scope.TENANT, tenant__slug="t-19").update(input_limit=10)
+    res = post(api, "/api/v1/admissions", request_body(taskClass="support-chat"), key="k-q2")
+    assert res.status_code == 429
+    assert Manifest.objects.get().decision == "QUOTA_EXCEEDED"

@@ -400,14 +400,22 @@ def test_ledger_rows_cannot_be_edited():
 
 
 def test_a_refund_after_the_period_rolled_over_stays_in_the_closed_period(setup):
-    """Consumption posted in March and refunded in April must not drive April's consumption negative."""
+    """Input consumed in the old period and refunded after the roll-over must not drive the new period's
+    consumption negative (the dispatch happened before the account was rolled)."""
     from datetime import UTC, datetime
 
-    cat, t, _ = setup
-    r = dispatched(cat)
-    Reservation.objects.filter(pk=r.pk).update(dispatched_at=datetime(2020, 1, 15, tzinfo=UTC))
+    cat, t, p = setup
+    r = reserved(cat)
     CapacityAccount.objects.filter(pk=t.pk).update(period_start=datetime(2020, 1, 1, tzinfo=UTC))
-    services.roll_over(account_id=t.pk, now=now())
+    services.dispatch(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        provider_request_id=f"p-{r.pk}",
+        admitted_digest=r.admitted_digest,
+        now=now(),
+    )
+    assert services.roll_over(account_id=t.pk, now=now())
     assert balances(t)[2] == 0, "the new period starts with nothing consumed"
     r = services.fail(
         reservation_id=r.pk,
@@ -419,5 +427,45 @@ def test_a_refund_after_the_period_rolled_over_stays_in_the_closed_period(setup)
         now=now(),
     )
     assert (r.state, r.outcome) == (State.SETTLED, Outcome.RELEASED)
-    assert balances(t) == (0, 0, 0, 0, 0)
+    assert balances(t) == (0, 0, 0, 0, 0), "the refund stayed in the closed period"
+    assert balances(p) == (0, 0, 0, 0, 0), "the pool's period did not roll: refunded there"
     assert audit().ok
+
+
+def test_a_top_up_is_not_refused_for_a_dimension_it_does_not_ask_for(setup):
+    cat, t, _ = setup
+    r = dispatched(cat)
+    CapacityAccount.objects.filter(pk=t.pk).update(input_limit=1)  # finance lowered input below its use
+    r2, applied = services.top_up(
+        reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="t", output_tokens=10, now=now()
+    )
+    assert applied and r2.top_ups == 10
+
+
+def test_input_is_reported_once_and_a_different_figure_is_refused(setup):
+    cat, t, _ = setup
+    r = dispatched(cat)
+    usage(cat, r, "e1", 5, inp=90)
+    with pytest.raises(services.UsageEventConflict) as err:
+        usage(cat, r, "e2", 5, inp=0)
+    assert err.value.code == "INPUT_ALREADY_REPORTED"
+    r.refresh_from_db()
+    assert (r.input_consumed, r.captured) == (90, 5)
+    assert balances(t)[2] == 90
+
+
+def test_a_provider_request_id_names_one_call(setup):
+    cat, _, _ = setup
+    first = dispatched(cat)
+    second = reserved(cat)
+    with pytest.raises(services.Conflict) as err:
+        services.dispatch(
+            reservation_id=second.pk,
+            tenant_ids=_tids(cat),
+            fence=1,
+            provider_request_id=first.provider_request_id,
+            admitted_digest=second.admitted_digest,
+            now=now(),
+        )
+    assert err.value.code == "PROVIDER_REQUEST_ID_IN_USE"
+    assert Reservation.objects.get(pk=second.pk).state == State.RESERVED
