@@ -50,6 +50,7 @@ from budgeting.models import (
 )
 from budgeting.problems import Problem
 from budgeting.provisioning import CAPABILITIES, TEMPLATE_FAMILIES
+from budgeting.replay import replay_manifest
 from budgeting.report_views import report_page
 from budgeting.tokenizer_assets import sha256_file
 from ladder.counting import upper_bound_rule
@@ -953,14 +954,7 @@ class ManifestAdmin(ReadOnlyAdmin[Manifest]):
         manifest = self.get_object(request, str(manifest_id))
         if manifest is None:
             raise PermissionDenied
-        try:
-            from budgeting.replay import replay_manifest
-        except ImportError:
-            result = None
-            unavailable = "Replay is not available in this build (budgeting.replay is not installed yet)."
-        else:
-            result = replay_manifest(manifest.pk)
-            unavailable = ""
+        result = replay_manifest(manifest.pk)
         return TemplateResponse(
             request,
             "admin/budgeting/manifest/replay.html",
@@ -970,7 +964,6 @@ class ManifestAdmin(ReadOnlyAdmin[Manifest]):
                 "original": manifest,
                 "title": f"Replay of {manifest.request_id}",
                 "result": result,
-                "unavailable": unavailable,
             },
         )
 

@@ -131,8 +131,10 @@ def full_digest(components: Components) -> str:
 def request_fingerprint(ctx: Context) -> str:
     """What an Idempotency-Key is bound to: the FULL payload and every envelope field that changes the
     decision or the reservation (a retry must repeat all of them)."""
-    envelope = {name: ctx.envelope.get(name) for name in
-                ("requestId", "taskClass", "modelPool", "modelRevision", "maxOutput")}
+    envelope = {
+        name: ctx.envelope.get(name)
+        for name in ("requestId", "taskClass", "modelPool", "modelRevision", "maxOutput")
+    }
     return rendered_digest({"payload": build_payload(ctx.components), "envelope": envelope})
 
 

@@ -19,7 +19,7 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
-from django.urls import NoReverseMatch, URLPattern, path, reverse
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -781,11 +781,8 @@ def age_text(seconds: float) -> str:
     return f"{s // 86400} d {s % 86400 // 3600} h"
 
 
-def _billing_url() -> str | None:
-    try:
-        return reverse("admin:reconciliation_billingimport_changelist")
-    except NoReverseMatch:  # billing imports are not installed yet
-        return None
+def _billing_url() -> str:
+    return reverse("admin:reconciliation_billingimport_changelist")
 
 
 @admin.register(LedgerEntry)
