@@ -138,13 +138,14 @@ def test_stream_cut_after_k_chunks_settles_partial_usage_holds_the_rest_then_bil
     assert tasks.reclaim_expired_leases()["stillUnknown"] == 1
     assert reservation(result.reservation_id).state == State.RECONCILING
 
-    # The billing export settles it at the billed usage; importing the same export again changes nothing.
-    assert tasks.import_provider_billing() == {"imports": 1, "unchanged": 1, "failed": 0}
+    # The billing export settles it at the billed usage; importing the same exports again changes nothing.
+    # (Both demo pools point at the one simulator, each fetches a per-request and an hourly-bucket export.)
+    assert tasks.import_provider_billing() == {"imports": 2, "unchanged": 2, "failed": 0}
     r.refresh_from_db()
     assert (r.state, r.outcome) == (State.SETTLED, Outcome.RECONCILED)
     assert (r.input_consumed, r.captured + r.overrun) == (entry.prompt_tokens, entry.completion_tokens)
-    assert tasks.import_provider_billing() == {"imports": 0, "unchanged": 2, "failed": 0}
-    assert BillingImport.objects.count() == 1
+    assert tasks.import_provider_billing() == {"imports": 0, "unchanged": 4, "failed": 0}
+    assert BillingImport.objects.count() == 2
     assert_clean(sim)
 
 
@@ -426,7 +427,8 @@ def test_two_beats_running_every_task_at_once(platform: Platform, sim: Simulator
     assert sum(report["released"] for report in reclaimed) == 2
     assert sum(report["frozen"] for report in reclaimed) == 6
     assert_each_settled_once([rid for ids in mess.values() for rid in ids])
-    assert BillingImport.objects.count() == 1, "the same export is one import however often it is fetched"
+    # One import per export kind (per request, per hour bucket), however often and concurrently it is fetched.
+    assert BillingImport.objects.count() == 2, "the same export is one import however often it is fetched"
     # The audit tasks ran beside the other beat's writes, so what they saw may predate its reclaim; the
     # audit that counts is the one of the settled ledger.
     assert_clean(sim)
