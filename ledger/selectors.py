@@ -16,7 +16,7 @@ from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
 
 def reservation_for(reservation_id: uuid.UUID, tenant_ids: Iterable[int]) -> Reservation | None:
     return (
-        Reservation.objects.select_related("tenant", "task_class", "model_pool", "model_revision")
+        Reservation.objects.select_related("tenant", "task_class", "model_pool", "model_revision", "manifest")
         .filter(pk=reservation_id, tenant_id__in=list(tenant_ids))
         .first()
     )
@@ -84,7 +84,23 @@ def reservation_detail(reservation: Reservation) -> dict[str, Any]:
             }
             for e in reservation.entries.order_by("id")
         ],
+        "holds": [
+            {"account": h.account_id, "scope": h.account.scope, "label": h.account.label}
+            for h in reservation.holds.select_related(
+                "account__tenant", "account__task_class", "account__pool"
+            )
+        ],
         "manifestId": reservation.manifest_id,
+        "manifest": None
+        if reservation.manifest is None
+        else {
+            "id": reservation.manifest_id,
+            "decision": reservation.manifest.decision,
+            "rung": reservation.manifest.rung,
+            "policyRevision": reservation.manifest.policy_revision,
+            "countMethod": reservation.manifest.count_method,
+            "inputTokens": reservation.manifest.input_tokens,
+        },
         "createdAt": reservation.created_at.isoformat(),
         "dispatchedAt": reservation.dispatched_at.isoformat() if reservation.dispatched_at else None,
         "settledAt": reservation.settled_at.isoformat() if reservation.settled_at else None,

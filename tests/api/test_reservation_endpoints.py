@@ -50,6 +50,7 @@ def test_gateway_protocol_admit_dispatch_usage_final(world):
     got = api.get(url(r))
     assert got.status_code == 200
     assert got.json()["state"] == "RESERVED"
+    assert [h["scope"] for h in got.json()["holds"]] == ["TENANT"]
     d = post(
         api,
         url(r, "dispatch"),
