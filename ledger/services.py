@@ -225,7 +225,8 @@ def _shortage(
         None,
     )
     if short is None:
-        dimension, requested, available = "input", input_tokens, 0
+        # The balance moved between the refused UPDATE and this read: say so rather than name a dimension.
+        dimension, requested, available = "contended", input_tokens + output_tokens, 0
     else:
         dimension, limit, used, requested = short
         available = max((limit or 0) - used, 0)
