@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -388,7 +387,3 @@ def _replay(reservation: Reservation) -> Result:
         result.status = 200
     result.headers["Idempotent-Replayed"] = "true"
     return result
-
-
-def tenant_ids(tenants: Iterable[Tenant]) -> list[int]:
-    return [t.pk for t in tenants]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.db.models import QuerySet
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from budgeting.models import ApiToken, ServiceClient, Tenant, hash_token
+from budgeting.models import ApiToken, ServiceClient, hash_token
 
 
 class ServiceTokenAuthentication(BaseAuthentication):
@@ -36,9 +33,3 @@ class ServiceTokenAuthentication(BaseAuthentication):
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="api"'
-
-
-def client_tenants(client: Any) -> QuerySet[Tenant]:
-    """The tenants a service client may act for; everything else answers 404."""
-    assert isinstance(client, ServiceClient)
-    return client.tenants.all()

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import cast
 
 import redis
 from django.conf import settings
-
-from budgeting.models import ModelRevision
-from ladder.counting import TokenizerCounter
 
 
 @lru_cache(maxsize=1)
@@ -53,8 +49,3 @@ class RedisCountCache:
         if batch:
             deleted += cast(int, self.client.delete(*batch))
         return deleted
-
-
-def counter_for_revision(revision: ModelRevision) -> TokenizerCounter:
-    """The model revision's tokenizer, loaded once per process (the ladder caches by file digest)."""
-    return TokenizerCounter.from_file(Path(settings.TOKENIZER_DIR) / revision.tokenizer.file_name)
