@@ -301,6 +301,7 @@ def _admit(
         # gets its request back unchanged with nothing held.
         if not decision.fits:
             body["wouldReject"] = _rejection(ctx, decision, manifest).body()
+        _answered(manifest, "SHADOW")
         return Result(
             200,
             {
@@ -312,6 +313,7 @@ def _admit(
             },
         )
     if not decision.fits:
+        _answered(manifest, decision.code or "REJECTED")
         raise _rejection(ctx, decision, manifest)
     body["payload"] = decision.payload
     body["mode"] = RolloutMode.ENFORCE
@@ -341,14 +343,18 @@ def _admit(
         admitted = ledger.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
     except ledger.QuotaExceeded:
         # The ladder admitted it; the ledger did not. The manifest says what was finally answered.
-        Manifest.objects.filter(pk=manifest.pk).update(decision="QUOTA_EXCEEDED")
+        _answered(manifest, "QUOTA_EXCEEDED")
         raise
     if admitted.replayed:
-        Manifest.objects.filter(pk=manifest.pk).update(decision="IDEMPOTENT_REPLAY")
+        _answered(manifest, "REPLAYED")
         return _replay(admitted.reservation)
-    if admitted.reservation.state == State.PROPOSED:
-        Manifest.objects.filter(pk=manifest.pk).update(decision="QUEUED")
+    _answered(manifest, "QUEUED" if admitted.reservation.state == State.PROPOSED else "RESERVED")
     return _answer(admitted.reservation)
+
+
+def _answered(manifest: Manifest, answer: str) -> None:
+    """Record what the caller was finally answered; ``decision`` keeps what the ladder decided."""
+    Manifest.objects.filter(pk=manifest.pk).update(answer=answer)
 
 
 def _first_body(reservation: Reservation, body: dict[str, Any]) -> dict[str, Any]:

@@ -100,15 +100,17 @@ class DatabaseCollector(Collector):
         family = CounterMetricFamily(
             "tokenbudget_admissions",
             "Admission decisions recorded in manifests.",
-            labels=["tenant", "task_class", "rung", "decision", "mode"],
+            labels=["tenant", "task_class", "rung", "decision", "mode", "answer"],
         )
         rows = (
-            Manifest.objects.values_list("tenant__slug", "task_class__slug", "rung", "decision", "mode")
+            Manifest.objects.values_list(
+                "tenant__slug", "task_class__slug", "rung", "decision", "mode", "answer"
+            )
             .annotate(n=Count("pk"))
             .order_by()
         )
-        for tenant, task, rung, decision, mode, n in rows:
-            family.add_metric([tenant, task, rung, decision, mode], n)
+        for tenant, task, rung, decision, mode, answer, n in rows:
+            family.add_metric([tenant, task, rung, decision, mode, answer], n)
         return family
 
     def _hard_bucket_changes(self) -> Metric:

@@ -226,7 +226,15 @@ class Manifest(models.Model):
     model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
     tokenizer_digest = models.CharField(max_length=71)
     policy_revision = models.PositiveIntegerField(null=True, blank=True)
-    decision = models.CharField(max_length=32)
+    decision = models.CharField(
+        max_length=32, help_text="What the ladder decided (what a replay reproduces)."
+    )
+    answer = models.CharField(
+        max_length=24,
+        blank=True,
+        help_text="What the caller was finally answered: RESERVED, QUEUED, QUOTA_EXCEEDED, REPLAYED, SHADOW "
+        "or the rejection code.",
+    )
     rung = models.CharField(max_length=32)
     mode = models.CharField(max_length=8, choices=RolloutMode.choices)
     rendered_digest = models.CharField(max_length=71)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from django.db import connection
 
@@ -41,12 +42,25 @@ def db_now() -> object:
         return cursor.fetchone()[0]
 
 
-def lock_expired_leases(states: Sequence[str], db_now: object, limit: int) -> list[Reservation]:
+def lock_expired_leases(
+    states: Sequence[str], db_now: object, limit: int, exclude: Sequence[uuid.UUID] = ()
+) -> list[Reservation]:
     """Lock reservations whose lease expired, skipping rows another reclaimer (or a gateway write) holds."""
     return list(
         Reservation.objects.select_for_update(skip_locked=True, of=("self",))
         .filter(state__in=states, lease_expires_at__lt=db_now)
+        .exclude(pk__in=list(exclude))
         .order_by("lease_expires_at")[:limit]
+    )
+
+
+def lock_account_periods(account_ids: Sequence[int]) -> dict[int, Any]:
+    """Lock accounts in ascending order and return their current period starts (a write follows)."""
+    return dict(
+        CapacityAccount.objects.select_for_update()
+        .filter(pk__in=list(account_ids))
+        .order_by("pk")
+        .values_list("pk", "period_start")
     )
 
 

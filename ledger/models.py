@@ -214,6 +214,8 @@ class Reservation(FSMModelMixin, models.Model):
         indexes = [
             models.Index(fields=["state", "lease_expires_at"]),
             models.Index(fields=["state", "created_at"]),
+            # Billing buckets compare billed usage with what was dispatched per model and hour.
+            models.Index(fields=["model_revision", "dispatched_at"]),
         ]
 
     def __str__(self) -> str:

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, Sum
+from django_fsm import TransitionNotAllowed
 
 from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from budgeting.problems import Conflict, NotFound, Problem, Unavailable
@@ -230,7 +231,7 @@ def _shortage(
     else:
         dimension, limit, used, requested = short
         available = max((limit or 0) - used, 0)
-    retry_after = 1 if dimension == "concurrency" else 60
+    retry_after = 1 if dimension in {"concurrency", "contended"} else 60
     return QuotaExceeded(
         f"{fresh.label}: {dimension} needs {requested}, {available} available",
         headers={"Retry-After": str(retry_after)},
@@ -263,7 +264,8 @@ def _apply(
     """
     if not any((input_reserved, output_reserved, input_consumed, output_consumed, in_flight)):
         return
-    periods = dict(CapacityAccount.objects.filter(pk__in=account_ids).values_list("pk", "period_start"))
+    # Locked (ascending, after the reservation row): a roll-over cannot slip between this read and the update.
+    periods = locks.lock_account_periods(account_ids)
     posted: dict[int, tuple[int, int]] = {}
     if input_consumed < 0 or output_consumed < 0:
         for row in (
@@ -622,7 +624,10 @@ def dispatch(
 
     try:
         return with_retries(attempt)
-    except IntegrityError:
+    except IntegrityError as error:
+        constraint = getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
+        if constraint != "reservation_unique_provider_request_id":
+            raise
         raise Conflict(
             f"providerRequestId {provider_request_id!r} already names another call",
             code="PROVIDER_REQUEST_ID_IN_USE",
@@ -1017,8 +1022,15 @@ def claim_expired_leases(*, now: datetime, limit: int = 100) -> tuple[list[uuid.
     """
     released: list[uuid.UUID] = []
     claims: list[Claim] = []
+    failed: list[uuid.UUID] = []
     for _ in range(limit):
-        outcome = with_retries(lambda: _claim_one_expired(now))
+        try:
+            outcome = with_retries(lambda: _claim_one_expired(now, failed))
+        except _ClaimFailed as error:
+            # One bad row must not stop every later reclaim (the oldest is picked first): log it, skip it.
+            logger.exception("reclaiming reservation %s failed", error.reservation_id)
+            failed.append(error.reservation_id)
+            continue
         if outcome is None:
             break
         if isinstance(outcome, Claim):
@@ -1028,33 +1040,46 @@ def claim_expired_leases(*, now: datetime, limit: int = 100) -> tuple[list[uuid.
     return released, claims
 
 
-def _claim_one_expired(now: datetime) -> Claim | uuid.UUID | None:
+class _ClaimFailed(Exception):
+    def __init__(self, reservation_id: uuid.UUID) -> None:
+        super().__init__(str(reservation_id))
+        self.reservation_id = reservation_id
+
+
+def _claim_one_expired(now: datetime, skip: list[uuid.UUID]) -> Claim | uuid.UUID | None:
     with transaction.atomic(durable=True):
         db_now = locks.db_now()
         assert isinstance(db_now, datetime)
-        expired = locks.lock_expired_leases(RECLAIMABLE, db_now, 1)
+        expired = locks.lock_expired_leases(RECLAIMABLE, db_now, 1, exclude=skip)
         if not expired:
             return None
         reservation = expired[0]
-        reservation.fence += 1
-        if reservation.state == State.RESERVED and reservation.dispatched_at is None:
-            _transition_settle(
-                reservation,
-                reservation.release_undispatched,
-                _held_account_ids(reservation),
-                reason="lease expired with no dispatch record",
-                now=now,
-                release_input=reservation.input_reserved,
-            )
-            reservation.failure_reason = "lease expired before dispatch"
-            reservation.save()
-            return reservation.pk
-        reservation.freeze_unknown()
-        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
-        reservation.save()
-        return Claim(
-            reservation.pk, reservation.fence, reservation.provider_request_id, reservation.model_pool_id
+        try:
+            return _take_over(reservation, now, db_now)
+        except (TransitionNotAllowed, IntegrityError) as error:
+            raise _ClaimFailed(reservation.pk) from error
+
+
+def _take_over(reservation: Reservation, now: datetime, db_now: datetime) -> Claim | uuid.UUID:
+    reservation.fence += 1
+    if reservation.state == State.RESERVED and reservation.dispatched_at is None:
+        _transition_settle(
+            reservation,
+            reservation.release_undispatched,
+            _held_account_ids(reservation),
+            reason="lease expired with no dispatch record",
+            now=now,
+            release_input=reservation.input_reserved,
         )
+        reservation.failure_reason = "lease expired before dispatch"
+        reservation.save()
+        return reservation.pk
+    reservation.freeze_unknown()
+    reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
+    reservation.save()
+    return Claim(
+        reservation.pk, reservation.fence, reservation.provider_request_id, reservation.model_pool_id
+    )
 
 
 def claim_reconciling(*, limit: int = 100, min_age_seconds: int = 0) -> list[Claim]:

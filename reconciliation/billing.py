@@ -87,7 +87,7 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
     # Settlement happens per reservation, each in its own transaction (the ledger's write path).
     settled_findings = _settle(billing_import, fresh, now)
     settled_findings += [f for f in _settle(billing_import, seen_again, now) if f.kind == FindingKind.SETTLED]
-    _report_missing(billing_import, requests, settled_findings)
+    _report_missing(billing_import, requests, settled_findings, deferred=live)
     BillingFinding.objects.bulk_create(settled_findings)
     billing_import.settled = sum(1 for f in settled_findings if f.kind == FindingKind.SETTLED)
     billing_import.findings_count = billing_import.findings.count()
@@ -156,6 +156,12 @@ def _store_buckets(
             dispatched_at__gte=record.bucket_start,
             dispatched_at__lt=record.bucket_end,
         ).aggregate(i=Sum("input_consumed"), c=Sum("captured"), o=Sum("overrun"))
+        before = BucketDrift.objects.filter(
+            model=record.model,
+            api_key_id=record.api_key_id or "",
+            bucket_start=record.bucket_start,
+            bucket_end=record.bucket_end,
+        ).first()
         drift, _ = BucketDrift.objects.update_or_create(
             model=record.model,
             api_key_id=record.api_key_id or "",
@@ -169,7 +175,11 @@ def _store_buckets(
                 "captured_output": (ours["c"] or 0) + (ours["o"] or 0),
             },
         )
-        if drift.drift_input or drift.drift_output:
+        unchanged = before is not None and (before.drift_input, before.drift_output) == (
+            drift.drift_input,
+            drift.drift_output,
+        )
+        if (drift.drift_input or drift.drift_output) and not unchanged:
             findings.append(
                 BillingFinding(
                     billing_import=billing_import,
@@ -262,7 +272,11 @@ def _unattended(reservation: Reservation) -> bool:
 
 
 def _report_missing(
-    billing_import: BillingImport, records: Sequence[RequestBillingRecord], findings: list[BillingFinding]
+    billing_import: BillingImport,
+    records: Sequence[RequestBillingRecord],
+    findings: list[BillingFinding],
+    *,
+    deferred: set[str],
 ) -> None:
     if not records:
         return
@@ -275,7 +289,12 @@ def _report_missing(
         .values_list("provider_request_id", "outcome")
     )
     for provider_request_id, outcome in dispatched:
-        if provider_request_id not in billed and outcome != "RELEASED":
+        # A call whose gateway still holds its lease was left for a later export, billed or not.
+        if (
+            provider_request_id not in billed
+            and provider_request_id not in deferred
+            and outcome != "RELEASED"
+        ):
             findings.append(
                 BillingFinding(
                     billing_import=billing_import,

@@ -338,7 +338,8 @@ def test_a_shadow_tenant_is_never_blocked_even_when_the_decision_would_reject(ap
     assert data["mode"] == "SHADOW"
     assert data["wouldReject"]["code"] == "CONTEXT_BUDGET_EXCEEDED"
     assert data["payload"]["messages"][0]["content"][0]["text"].startswith("Rule Rule"), "request unchanged"
-    assert Manifest.objects.get().decision == "CONTEXT_BUDGET_EXCEEDED"
+    manifest = Manifest.objects.get()
+    assert (manifest.decision, manifest.answer) == ("CONTEXT_BUDGET_EXCEEDED", "SHADOW")
     assert not Reservation.objects.exists()
 
 
@@ -354,4 +355,5 @@ def test_a_quota_refusal_is_what_the_manifest_records(api):
     CapacityAccount.objects.filter(scope=Scope.TENANT, tenant__slug="t-19").update(input_limit=10)
     res = post(api, "/api/v1/admissions", request_body(taskClass="support-chat"), key="k-q2")
     assert res.status_code == 429
-    assert Manifest.objects.get().decision == "QUOTA_EXCEEDED"
+    manifest = Manifest.objects.get()
+    assert (manifest.decision, manifest.answer) == ("ADMITTED", "QUOTA_EXCEEDED")

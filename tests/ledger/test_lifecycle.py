@@ -469,3 +469,20 @@ def test_a_provider_request_id_names_one_call(setup):
         )
     assert err.value.code == "PROVIDER_REQUEST_ID_IN_USE"
     assert Reservation.objects.get(pk=second.pk).state == State.RESERVED
+
+
+def test_an_integrity_error_other_than_the_provider_id_is_not_disguised(setup):
+    from django.db import IntegrityError
+
+    cat, t, _ = setup
+    r = reserved(cat)
+    CapacityAccount.objects.filter(pk=t.pk).update(input_reserved=0)  # a dispatch would now go negative
+    with pytest.raises(IntegrityError):
+        services.dispatch(
+            reservation_id=r.pk,
+            tenant_ids=_tids(cat),
+            fence=1,
+            provider_request_id="p-x",
+            admitted_digest=r.admitted_digest,
+            now=now(),
+        )

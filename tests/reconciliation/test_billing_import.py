@@ -191,3 +191,28 @@ def test_management_command(cat, sim, tmp_path):
     out = StringIO()
     call_command("import_billing", str(path), stdout=out)
     assert out.getvalue().startswith("already imported")
+
+
+def test_a_bucket_drift_is_reported_once_until_it_changes(cat, sim):
+    r = dispatched(cat)
+    call_provider(sim, r.provider_request_id, max_tokens=15)
+    billed = sim.entry(r.provider_request_id)
+    services.record_usage(
+        reservation_id=r.pk,
+        tenant_ids=[cat.tenant.pk],
+        fence=1,
+        usage=services.Usage("u", billed.completion_tokens - 3, billed.prompt_tokens, True),
+        now=now(),
+    )
+    Reservation.objects.filter(pk=r.pk).update(dispatched_at=billed.started_at)
+    cat.model.name = billed.model
+    cat.model.save()
+    first = import_export(
+        text=sim.billing_export("jsonl", granularity="bucket"), fmt="jsonl", source="b1", now=now()
+    )
+    again = import_export(
+        text=sim.billing_export("csv", granularity="bucket"), fmt="csv", source="b2", now=now()
+    )
+    assert kinds(first.billing_import) == {FindingKind.BUCKET_DRIFT: 1}
+    assert kinds(again.billing_import) == {}
+    assert BucketDrift.objects.count() == 1
