@@ -4,20 +4,25 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('budgeting', '0007_policy_alias_plural'),
+        ("budgeting", "0007_policy_alias_plural"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='manifest',
-            name='answer',
-            field=models.CharField(blank=True, help_text='What the caller was finally answered: RESERVED, QUEUED, QUOTA_EXCEEDED, REPLAYED, SHADOW or the rejection code.', max_length=24),
+            model_name="manifest",
+            name="answer",
+            field=models.CharField(
+                blank=True,
+                help_text="What the caller was finally answered: RESERVED, QUEUED, QUOTA_EXCEEDED, REPLAYED, SHADOW or the rejection code.",
+                max_length=24,
+            ),
         ),
         migrations.AlterField(
-            model_name='manifest',
-            name='decision',
-            field=models.CharField(help_text='What the ladder decided (what a replay reproduces).', max_length=32),
+            model_name="manifest",
+            name="decision",
+            field=models.CharField(
+                help_text="What the ladder decided (what a replay reproduces).", max_length=32
+            ),
         ),
     ]
