@@ -45,12 +45,26 @@ def test_admissions_by_tenant_task_rung_decision_and_mode(scenario):
     key = {"tenant": "t-19", "task_class": "contract-review"}
     assert (
         value(
-            samples, "tokenbudget_admissions_total", **key, rung="FULL", decision="ADMITTED", mode="ENFORCE"
+            samples,
+            "tokenbudget_admissions_total",
+            **key,
+            rung="FULL",
+            decision="ADMITTED",
+            mode="ENFORCE",
+            answer="",  # the scenario writes manifests directly, without an answer
         )
         == 3
     )
     assert (
-        value(samples, "tokenbudget_admissions_total", **key, rung="FULL", decision="ADMITTED", mode="SHADOW")
+        value(
+            samples,
+            "tokenbudget_admissions_total",
+            **key,
+            rung="FULL",
+            decision="ADMITTED",
+            mode="SHADOW",
+            answer="",
+        )
         == 1
     )
     assert sum(samples["tokenbudget_admissions_total"].values()) == Manifest.objects.count()
