@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from budgeting import catalog, metrics
+from budgeting import catalog, metrics, services
 from budgeting.counting import RedisCountCache
 from budgeting.models import Manifest, ModelRevision, RolloutMode, Tenant
 from budgeting.problems import Conflict, InvalidInput, NotFound, Problem, Unavailable
@@ -171,7 +171,7 @@ def decision_label(decision: Decision) -> str:
 
 def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> Manifest:
     r = ctx.resolved
-    return Manifest.objects.create(
+    manifest = Manifest(
         request_id=ctx.envelope["requestId"],
         tenant=ctx.tenant,
         task_class=r.task_class,
@@ -205,6 +205,7 @@ def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> M
             **decision.to_manifest(),
         },
     )
+    return services.record_manifest(manifest=manifest)
 
 
 def count(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, now: datetime) -> Result:
@@ -353,8 +354,7 @@ def _admit(
 
 
 def _answered(manifest: Manifest, answer: str) -> None:
-    """Record what the caller was finally answered; ``decision`` keeps what the ladder decided."""
-    Manifest.objects.filter(pk=manifest.pk).update(answer=answer)
+    services.record_answer(manifest_id=manifest.pk, answer=answer)
 
 
 def _first_body(reservation: Reservation, body: dict[str, Any]) -> dict[str, Any]:
