@@ -50,6 +50,8 @@ class Context:
     resolved: catalog.Resolved
     components: Components
     envelope: dict[str, Any]
+    full_payload: dict[str, object]
+    """The provider payload of the request as sent, before any rung (built once per request)."""
 
 
 def _resolve(tenants: QuerySet[Tenant], envelope: dict[str, Any]) -> Context:
@@ -79,7 +81,13 @@ def _resolve(tenants: QuerySet[Tenant], envelope: dict[str, Any]) -> Context:
         components = parse_components(envelope["components"], limits=LIMITS)
     except ComponentError as exc:
         raise InvalidInput(exc.message, code="INVALID_COMPONENTS", path=exc.path, reason=exc.code) from None
-    return Context(tenant=tenant, resolved=resolved, components=components, envelope=envelope)
+    return Context(
+        tenant=tenant,
+        resolved=resolved,
+        components=components,
+        envelope=envelope,
+        full_payload=build_payload(components),
+    )
 
 
 def _run_ladder(ctx: Context) -> Decision:
@@ -122,11 +130,6 @@ def _model_used(ctx: Context, decision: Decision) -> ModelRevision:
     return ModelRevision.objects.select_related("tokenizer").get(name=decision.model.id)
 
 
-def full_digest(components: Components) -> str:
-    """Digest of the request's FULL payload as sent, before any rung."""
-    return rendered_digest(build_payload(components))
-
-
 def request_fingerprint(ctx: Context) -> str:
     """What an Idempotency-Key is bound to: the FULL payload and every envelope field that changes the
     decision or the reservation (a retry must repeat all of them)."""
@@ -134,7 +137,7 @@ def request_fingerprint(ctx: Context) -> str:
         name: ctx.envelope.get(name)
         for name in ("requestId", "taskClass", "modelPool", "modelRevision", "maxOutput")
     }
-    return rendered_digest({"payload": build_payload(ctx.components), "envelope": envelope})
+    return rendered_digest({"payload": ctx.full_payload, "envelope": envelope})
 
 
 def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
@@ -144,7 +147,7 @@ def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
         "requestId": ctx.envelope["requestId"],
         "decision": decision_label(decision),
         **body,
-        "renderedDigest": full_digest(ctx.components),
+        "renderedDigest": rendered_digest(ctx.full_payload),
         "admittedDigest": decision.rendered_digest,
         "tokenizerDigest": decision.model.tokenizer_digest,
         "policyRevision": ctx.resolved.policy_revision,
@@ -309,7 +312,7 @@ def _admit(
                 **body,
                 "mode": RolloutMode.SHADOW,
                 "manifestId": manifest.pk,
-                "payload": build_payload(ctx.components),
+                "payload": ctx.full_payload,
                 "note": "shadow: decision recorded, request unchanged, no capacity held",
             },
         )

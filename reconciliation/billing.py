@@ -214,7 +214,8 @@ def _settle(
                 )
             )
             continue
-        if _unattended(reservation):
+        # settle_from_evidence itself leaves a dispatched call alone while its gateway's lease is live.
+        if reservation.state in OPEN_AFTER_DISPATCH:
             evidence = ledger.Evidence(
                 ledger.EvidenceKind.COMPLETED,
                 record.input_tokens,
@@ -258,17 +259,6 @@ def _live_provider_ids(provider_request_ids: list[str]) -> set[str]:
             lease_expires_at__gt=locks.db_now(),
         ).values_list("provider_request_id", flat=True)
     )
-
-
-def _unattended(reservation: Reservation) -> bool:
-    """May a bill settle it now? RECONCILING always; a dispatched call only once its gateway's lease ran
-    out (a live gateway is about to report final usage itself, and settling under it would refuse that)."""
-    if reservation.state == State.RECONCILING:
-        return True
-    if reservation.state not in OPEN_AFTER_DISPATCH:
-        return False
-    db_now = locks.db_now()
-    return reservation.lease_expires_at is not None and reservation.lease_expires_at <= db_now  # type: ignore[operator]
 
 
 def _report_missing(
