@@ -253,7 +253,6 @@ def _apply(
     input_consumed: int = 0,
     output_consumed: int = 0,
     in_flight: int = 0,
-    now: datetime,
 ) -> None:
     """Move balances on every held account (ascending pk) and write one entry per account.
 
@@ -618,7 +617,6 @@ def dispatch(
                 input_reserved=-n,
                 input_consumed=n,
                 reason="dispatched",
-                now=now,
             )
             return reservation
 
@@ -650,7 +648,6 @@ def _capture(
     output_tokens: int,
     input_tokens: int | None,
     final: bool,
-    now: datetime,
 ) -> UsageEvent:
     if (
         input_tokens is not None
@@ -685,7 +682,6 @@ def _capture(
         output_reserved=-take,
         output_consumed=output_tokens,
         reason=f"usage {usage_event_id}" + (f" (overrun {over})" if over else ""),
-        now=now,
     )
     if input_tokens is not None and input_tokens != reservation.input_consumed:
         # The provider's own count of the input is authoritative for billing: correct what dispatch posted.
@@ -697,7 +693,6 @@ def _capture(
             EntryKind.CORRECTION,
             input_consumed=delta,
             reason=f"provider counted {input_tokens} input tokens",
-            now=now,
         )
     if input_tokens is not None:
         reservation.input_reported = input_tokens
@@ -730,7 +725,6 @@ def _transition_settle(
         in_flight=slot,
         input_reserved=-release_input,
         reason=reason,
-        now=now,
     )
     if refund_input:
         _apply(
@@ -739,7 +733,6 @@ def _transition_settle(
             EntryKind.CORRECTION,
             input_consumed=-refund_input,
             reason="provider never processed the request: input refunded",
-            now=now,
         )
 
 
@@ -783,7 +776,6 @@ def record_usage(
                 output_tokens=usage.output_tokens,
                 input_tokens=usage.input_tokens,
                 final=usage.final,
-                now=now,
             )
             if usage.final:
                 _transition_settle(
@@ -938,7 +930,6 @@ def fail(
                         output_tokens=usage.output_tokens,
                         input_tokens=usage.input_tokens,
                         final=False,
-                        now=now,
                     )
                 reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
             elif reservation.state in {
@@ -1196,7 +1187,6 @@ def _post_billed(
             output_tokens=delta,
             input_tokens=None,
             final=False,
-            now=now,
         )
     elif delta < 0:
         over_back = min(-delta, reservation.overrun)
@@ -1211,7 +1201,6 @@ def _post_billed(
             output_consumed=delta,
             output_reserved=captured_back,
             reason=f"{evidence.source}: billed {evidence.output_tokens} output, we had {recorded}",
-            now=now,
         )
     if evidence.input_tokens != reservation.input_consumed:
         diff = evidence.input_tokens - reservation.input_consumed
@@ -1223,5 +1212,4 @@ def _post_billed(
             EntryKind.CORRECTION,
             input_consumed=diff,
             reason=f"{evidence.source}: billed {evidence.input_tokens} input",
-            now=now,
         )
