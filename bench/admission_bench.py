@@ -240,7 +240,7 @@ def main() -> None:
     django.setup()
     from django.utils import timezone
 
-    from budgeting.models import ModelPool, ModelRevision, TaskClass, Tenant
+    from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
     from ledger import services
     from ledger.models import CapacityAccount, Reservation
     from ledger.selectors import audit

@@ -20,7 +20,8 @@ from django.db import models, transaction
 from django.db.models import F
 from django.forms.models import model_to_dict
 
-from budgeting.models import (
+from budgeting.api.problems import Conflict, InvalidInput, NotFound
+from budgeting.catalog.models import (
     ApiToken,
     ChangeRecord,
     ServiceClient,
@@ -28,7 +29,6 @@ from budgeting.models import (
     hash_token,
     new_token_value,
 )
-from budgeting.problems import Conflict, InvalidInput, NotFound
 from ledger import locks
 from ledger.models import CapacityAccount, EntryKind, LedgerEntry
 

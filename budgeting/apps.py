@@ -7,4 +7,4 @@ class BudgetingConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from budgeting import openapi  # noqa: F401  (registers the OpenAPI auth extension)
+        from budgeting.api import openapi  # noqa: F401  (registers the OpenAPI auth extension)

@@ -126,6 +126,7 @@ INSTALLED_APPS = [
     "budgeting",
     "ledger",
     "reconciliation",
+    "simulation",
 ]
 
 MIDDLEWARE = [
@@ -176,11 +177,11 @@ MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 4 * 1024 * 1024, minimum=1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["budgeting.auth.ServiceTokenAuthentication"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["budgeting.api.auth.ServiceTokenAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_PARSER_CLASSES": ["budgeting.parsers.StrictJSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["budgeting.api.parsers.StrictJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "EXCEPTION_HANDLER": "budgeting.problems.exception_handler",
+    "EXCEPTION_HANDLER": "budgeting.api.problems.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,
 }
@@ -191,7 +192,7 @@ SPECTACULAR_SETTINGS = {
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
-        "budgeting.openapi.forbid_additional_request_properties",
+        "budgeting.api.openapi.forbid_additional_request_properties",
     ],
 }
 

@@ -2,7 +2,9 @@ from django.contrib import admin
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
-from budgeting import metrics, report_views, views
+from budgeting.api import views
+from budgeting.backoffice import report_views
+from budgeting.observability import metrics
 
 R = "api/v1/reservations/<str:reservation_id>"
 

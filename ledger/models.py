@@ -13,7 +13,7 @@ from django.db import models
 from django.db.models import F, Q
 from django_fsm import FSMField, FSMModelMixin, transition
 
-from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 
 
 class Scope(models.TextChoices):

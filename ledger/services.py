@@ -21,8 +21,8 @@ from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.models import F, Q, Sum
 from django_fsm import TransitionNotAllowed
 
-from budgeting.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
-from budgeting.problems import Conflict, NotFound, Problem, Unavailable
+from budgeting.api.problems import Conflict, NotFound, Problem, Unavailable
+from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from ledger import locks
 from ledger.models import (
     AFTER_DISPATCH,

@@ -7,13 +7,14 @@ import urllib.request
 from datetime import datetime
 
 from budgeting import admin_services
-from budgeting.admission import queued_body
-from budgeting.models import ModelPool
+from budgeting.admission.orchestrator import queued_body
+from budgeting.catalog.models import ModelPool
 from ledger import selectors
 from ledger import services as ledger
 from ledger.models import CapacityAccount, Reservation, State
 from ledger.periods import period_start_for
-from reconciliation import billing, services
+from reconciliation import billing
+from reconciliation import reclaim as services
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture
 def redis_db():
     """The real Redis, flushed of this suite's count keys before and after."""
-    from budgeting.counting import redis_client
+    from budgeting.admission.count_cache import redis_client
 
     client = redis_client()
     client.ping()

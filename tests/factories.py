@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import factory
 
-from budgeting.models import (
+from budgeting.catalog.models import (
     ApiToken,
     ModelPool,
     ModelRevision,

@@ -24,7 +24,7 @@ def create_roles(apps, schema_editor):
     # can be given them on a fresh database.
     from django.contrib.auth.management import create_permissions
 
-    from budgeting.roles import sync_roles
+    from budgeting.backoffice.roles import sync_roles
 
     for app_config in apps.get_app_configs():
         app_config.models_module = True
@@ -34,7 +34,7 @@ def create_roles(apps, schema_editor):
 
 
 def drop_roles(apps, schema_editor):
-    from budgeting.roles import ROLES
+    from budgeting.backoffice.roles import ROLES
 
     apps.get_model("auth", "Group").objects.filter(name__in=list(ROLES)).delete()
 

@@ -6,7 +6,7 @@ from django.db import migrations
 def sync(apps, schema_editor):
     from django.contrib.auth.management import create_permissions
 
-    from budgeting.roles import sync_roles
+    from budgeting.backoffice.roles import sync_roles
 
     for app_config in apps.get_app_configs():
         app_config.models_module = True

@@ -7,8 +7,8 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.test import Client
 
-from budgeting.models import PolicyAlias, PolicyState, PolicyVersion
-from budgeting.roles import ANALYST, FINANCE, PLATFORM, sync_roles
+from budgeting.backoffice.roles import ANALYST, FINANCE, PLATFORM, sync_roles
+from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
 from tests.admin.scenario import Scenario, populate
 from tests.ledger.helpers import Catalog, catalog, pool_account, tenant_account
 

@@ -10,7 +10,8 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from budgeting.models import Manifest, ModelPool, ModelRevision, Price, RolloutMode, TaskClass, Tenant
+from budgeting.admission.models import Manifest
+from budgeting.catalog.models import ModelPool, ModelRevision, Price, RolloutMode, TaskClass, Tenant
 from ledger import services
 from ledger.models import Reservation
 

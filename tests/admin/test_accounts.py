@@ -11,7 +11,7 @@ from django.urls import reverse
 
 from budgeting import admin_services
 from budgeting.admin_services import SYSTEM, Actor, InvalidChange, LimitsChanged
-from budgeting.models import ChangeRecord, PolicyState, PolicyVersion, TemporaryIncrease
+from budgeting.catalog.models import ChangeRecord, PolicyState, PolicyVersion, TemporaryIncrease
 from ledger import selectors, services
 from ledger.models import CapacityAccount, EntryKind, LedgerEntry, Scope
 from tests.admin.conftest import login

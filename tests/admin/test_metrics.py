@@ -15,8 +15,8 @@ from django.utils import timezone
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from budgeting import metrics
-from budgeting.models import Manifest
+from budgeting.admission.models import Manifest
+from budgeting.observability import metrics
 from ledger import selectors
 from ledger.models import Reservation
 from tests.admin.scenario import record
@@ -129,7 +129,7 @@ def test_the_metrics_endpoint_survives_a_database_failure(monkeypatch, db):
 _OBSERVE = """
 import django, os, sys
 django.setup()
-from budgeting import metrics
+from budgeting.observability import metrics
 metrics.observe_admission_latency(float(sys.argv[1]), "FULL")
 """
 
@@ -137,7 +137,7 @@ _READ = """
 import django
 django.setup()
 from prometheus_client import generate_latest
-from budgeting import metrics
+from budgeting.observability import metrics
 print(generate_latest(metrics.registry()).decode())
 """
 

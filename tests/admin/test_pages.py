@@ -14,7 +14,14 @@ from django.utils import timezone
 
 from budgeting import admin_services
 from budgeting.admin_services import Actor
-from budgeting.models import ApiToken, ChangeRecord, ServiceClient, TemporaryIncrease, Tenant, Tokenizer
+from budgeting.catalog.models import (
+    ApiToken,
+    ChangeRecord,
+    ServiceClient,
+    TemporaryIncrease,
+    Tenant,
+    Tokenizer,
+)
 from ledger.models import CapacityAccount, Reservation, Scope, State
 from reconciliation.models import BillingFinding, BillingImport, FindingKind
 from tests.admin.conftest import login
@@ -65,7 +72,7 @@ def test_backlog_lists_reconciling_reservations_with_their_age(users, scenario):
 
 
 def test_replay_shows_the_replay_result(users, scenario):
-    from budgeting.replay import replay_manifest
+    from budgeting.admission.replay import replay_manifest
 
     analyst = login("analyst")
     manifest = scenario.manifests["dedup"]

@@ -16,7 +16,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from budgeting.models import (
+from budgeting.catalog.models import (
     ApiToken,
     ChangeRecord,
     PolicyAlias,

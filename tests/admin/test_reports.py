@@ -13,8 +13,9 @@ from django.db.models import F, Sum
 from django.test import Client
 from django.utils import timezone
 
-from budgeting import reports
-from budgeting.models import Manifest, Price
+from budgeting.admission.models import Manifest
+from budgeting.backoffice import reports
+from budgeting.catalog.models import Price
 from ledger.models import Reservation, State
 from tests.admin.conftest import login
 from tests.factories import ServiceClientFactory, issue_token

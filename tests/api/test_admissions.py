@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from budgeting.admission import in_ramp
-from budgeting.models import Manifest, Tenant, Tokenizer
-from budgeting.provisioning import apply_config, load_file
+from budgeting.admission.models import Manifest
+from budgeting.admission.orchestrator import in_ramp
+from budgeting.catalog.models import Tenant, Tokenizer
+from budgeting.catalog.provisioning import apply_config, load_file
 from ladder.templates import Special, Text
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope, State
 
@@ -25,7 +26,7 @@ TOKEN = "tb_demo_gateway_eu_0000000000000000"
 
 @pytest.fixture
 def api(redis_db):
-    from budgeting.policies import validate_policy_document
+    from budgeting.catalog.policy_documents import validate_policy_document
 
     apply_config(load_file(DEMO), validate_policy=validate_policy_document)
     client = APIClient()
@@ -110,8 +111,8 @@ def whole_stream_count(tokenizer_file: str, pieces: Any) -> int:
     ],
 )
 def test_count_is_exact_for_both_real_tokenizers(api, pool, model, tenant):
-    from budgeting.catalog import model_spec
-    from budgeting.models import ModelRevision
+    from budgeting.catalog.models import ModelRevision
+    from budgeting.catalog.selectors import model_spec
     from ladder.components import Limits, parse_components
     from ladder.templates import get_template
 

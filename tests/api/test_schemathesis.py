@@ -35,12 +35,12 @@ def no_connection_recycling():
 
 @pytest.fixture
 def demo(db, redis_db, no_connection_recycling):
-    from budgeting.policies import validate_policy_document
-    from budgeting.provisioning import apply_config, load_file
+    from budgeting.catalog.policy_documents import validate_policy_document
+    from budgeting.catalog.provisioning import apply_config, load_file
     from tests.ledger.helpers import DIGEST
 
     apply_config(load_file(DEMO), validate_policy=validate_policy_document)
-    from budgeting.models import ModelPool, ModelRevision, TaskClass, Tenant
+    from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
     from ledger import services
     from tests.ledger.helpers import body, now
 

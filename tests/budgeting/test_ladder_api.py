@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from budgeting import catalog
-from budgeting.models import Manifest, ModelRevision, PolicyAlias, PolicyState, PolicyVersion, Tokenizer
-from budgeting.provisioning import apply_config, load_file
+from budgeting.admission.models import Manifest
+from budgeting.catalog.models import ModelRevision, PolicyAlias, PolicyState, PolicyVersion, Tokenizer
+from budgeting.catalog.provisioning import apply_config, load_file
+from budgeting.catalog import selectors as catalog
 from ladder.components import HARD_BUCKETS
 from ladder.counting import CountingUnavailable
 from ledger.models import Reservation, State
@@ -35,7 +36,7 @@ DEGRADING_RUNGS = ["DEDUP_EVIDENCE", "COMPACT_HISTORY", "NARROW_WORKFLOW", "TRIM
 
 def demo_api() -> APIClient:
     """Apply the demo configuration; return a client of its gateway-eu service client."""
-    from budgeting.policies import validate_policy_document
+    from budgeting.catalog.policy_documents import validate_policy_document
 
     apply_config(load_file(DEMO), validate_policy=validate_policy_document)
     client = APIClient()

@@ -10,9 +10,9 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from budgeting.models import ApiToken, ModelRevision, PolicyVersion, Tenant, Tokenizer, hash_token
-from budgeting.policies import validate_policy_document
-from budgeting.provisioning import ProvisioningError, apply_config, load_file
+from budgeting.catalog.models import ApiToken, ModelRevision, PolicyVersion, Tenant, Tokenizer, hash_token
+from budgeting.catalog.policy_documents import validate_policy_document
+from budgeting.catalog.provisioning import ProvisioningError, apply_config, load_file
 from ledger.models import CapacityAccount
 
 pytestmark = pytest.mark.django_db

@@ -15,8 +15,9 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from rest_framework.test import APIClient
 
-from budgeting.models import Manifest, ModelRevision, Tokenizer
-from budgeting.replay import ReplayError, replay_manifest
+from budgeting.admission.models import Manifest
+from budgeting.admission.replay import ReplayError, replay_manifest
+from budgeting.catalog.models import ModelRevision, Tokenizer
 from ledger.models import Reservation
 from tests.budgeting.test_ladder_api import (
     DEGRADING_RUNGS,

@@ -20,8 +20,8 @@ import pytest
 from django.db import connections
 from django.db.models import F, Sum
 
-from budgeting.models import PolicyAlias, PolicyState, PolicyVersion
-from budgeting.roles import sync_roles
+from budgeting.backoffice.roles import sync_roles
+from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
 from ledger.models import CapacityAccount, Reservation, State
 from tests.admin.conftest import PASSWORD, ROLES, make_user, policy_document
 from tests.admin.scenario import populate

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from budgeting.policies import validate_policy_document
-from budgeting.provisioning import apply_config, load_file
-from reconciliation.simulator import Simulator
+from budgeting.catalog.policy_documents import validate_policy_document
+from budgeting.catalog.provisioning import apply_config, load_file
+from simulation.provider import Simulator
 from tests.e2e_faults.harness import DEMO, Platform, point_pools_at
 
 

@@ -23,18 +23,18 @@ from urllib.parse import quote, urlsplit
 
 from django.db import connection
 from django.utils import timezone
-
-from budgeting.models import ModelPool
-from ledger.models import CapacityAccount, Reservation, State
-from ledger.selectors import audit
-from reconciliation.gateway_client import (
+from tokenbudget_gateway.client import (
     ApiClient,
     ApiResponse,
     ChatProvider,
     GatewayClient,
     RetryPolicy,
 )
-from reconciliation.simulator import BillingComparison, Simulator
+
+from budgeting.catalog.models import ModelPool
+from ledger.models import CapacityAccount, Reservation, State
+from ledger.selectors import audit
+from simulation.provider import BillingComparison, Simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "budgeting" / "demo" / "demo.yaml"

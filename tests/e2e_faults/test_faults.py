@@ -17,11 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from budgeting.celery import app as celery_app
-from ledger.models import EntryKind, Hold, LedgerEntry, Outcome, Reservation, State, UsageEvent
-from reconciliation import tasks
-from reconciliation.gateway_client import (
+from tokenbudget_gateway.client import (
     ApiError,
     ClientDied,
     DiePoint,
@@ -29,8 +25,12 @@ from reconciliation.gateway_client import (
     StaleFence,
     provider_request_id_for,
 )
+
+from budgeting.celery import app as celery_app
+from ledger.models import EntryKind, Hold, LedgerEntry, Outcome, Reservation, State, UsageEvent
+from reconciliation import tasks
 from reconciliation.models import BillingImport
-from reconciliation.simulator import BillingStatus, Fault, Simulator
+from simulation.provider import BillingStatus, Fault, Simulator
 from tests.e2e_faults.harness import (
     LossyProxy,
     Platform,

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from django.core.management import call_command
 
-from budgeting.models import ModelPool
+from budgeting.catalog.models import ModelPool
 from ladder.components import Limits, parse_components
 from ledger.models import Reservation, State
-from reconciliation.traffic import TASK_CLASSES, Corpus, FaultKind, Plan, build_request, plan_request
+from simulation.traffic import TASK_CLASSES, Corpus, FaultKind, Plan, build_request, plan_request
 from tests.e2e_faults.harness import Platform, celery_workers
 
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from django.db import connection
 
-from budgeting.models import ModelPool, ModelRevision, TaskClass, Tenant
+from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
 from ledger import services
 from ledger.models import CapacityAccount, Reservation, Scope
 from tests.factories import (

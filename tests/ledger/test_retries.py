@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.db import OperationalError
 
-from budgeting.problems import Unavailable
+from budgeting.api.problems import Unavailable
 from ledger import services
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from budgeting.problems import Conflict
+from budgeting.api.problems import Conflict
 from ledger import services
 from ledger.models import CapacityAccount, Reservation
 from ledger.selectors import audit

@@ -13,7 +13,7 @@ from ledger.models import LedgerEntry, Outcome, Reservation, State
 from ledger.selectors import audit
 from reconciliation.billing import import_export
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
-from reconciliation.simulator import Simulator
+from simulation.provider import Simulator
 from tests.ledger.helpers import catalog, now, tenant_account
 from tests.reconciliation.helpers import call_provider, dispatched, expire
 

@@ -30,7 +30,7 @@ from reconciliation.providers import (
     parse_billing_export,
     scan_billing_export,
 )
-from reconciliation.simulator import Fault, LookupFault, Simulator
+from simulation.provider import Fault, LookupFault, Simulator
 
 MESSAGES = [{"role": "user", "content": "How long is the notice period?"}]
 

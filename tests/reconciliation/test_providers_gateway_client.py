@@ -16,8 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-
-from reconciliation.gateway_client import (
+from tokenbudget_gateway.client import (
     AdmissionQueued,
     ApiClient,
     ApiError,
@@ -35,7 +34,8 @@ from reconciliation.gateway_client import (
     provider_request_id_for,
     usage_event_id,
 )
-from reconciliation.simulator import BillingStatus, Fault, Simulator
+
+from simulation.provider import BillingStatus, Fault, Simulator
 
 MESSAGES = [
     {"role": "system", "content": "You review contracts."},

@@ -9,9 +9,9 @@ import pytest
 from ledger import services
 from ledger.models import Outcome, Reservation, State
 from ledger.selectors import audit
-from reconciliation import services as reconciliation
+from reconciliation import reclaim as reconciliation
 from reconciliation.providers import SimulatorLookup
-from reconciliation.simulator import Simulator
+from simulation.provider import Simulator
 from tests.ledger.helpers import admit, catalog, now, run_concurrently, spec, tenant_account
 from tests.reconciliation.helpers import call_provider, dispatched, expire
 

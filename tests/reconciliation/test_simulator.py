@@ -20,7 +20,7 @@ from reconciliation.providers import (
     RequestBillingRecord,
     parse_billing_export,
 )
-from reconciliation.simulator import (
+from simulation.provider import (
     BillingStatus,
     Fault,
     Simulator,

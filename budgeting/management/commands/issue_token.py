@@ -6,7 +6,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import transaction
 from django.utils import timezone
 
-from budgeting.models import ApiToken, ServiceClient, hash_token, new_token_value
+from budgeting.catalog.models import ApiToken, ServiceClient, hash_token, new_token_value
 
 
 class Command(BaseCommand):

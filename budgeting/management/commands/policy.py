@@ -5,11 +5,11 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from budgeting import policy_services
 from budgeting.admin_services import Actor
-from budgeting.catalog import ACTIVE_ALIAS
-from budgeting.models import PolicyAlias, PolicyVersion
-from budgeting.problems import Problem
+from budgeting.api.problems import Problem
+from budgeting.catalog.models import PolicyAlias, PolicyVersion
+from budgeting.catalog.selectors import ACTIVE_ALIAS
+from budgeting.catalog import policies as policy_services
 
 
 class Command(BaseCommand):

@@ -4,7 +4,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from budgeting.replay import ReplayError, find_manifest, replay_manifest
+from budgeting.admission.replay import ReplayError, find_manifest, replay_manifest
 
 # Exit codes: 0 the replay reproduces the record, 1 it does not, 2 nothing to replay (bad arguments).
 MISMATCH_EXIT = 1

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final
 
-from reconciliation.gateway_client import (
+from tokenbudget_gateway.client import (
     ADMISSIONS_PATH,
     ApiClient,
     ApiError,

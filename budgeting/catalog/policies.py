@@ -18,9 +18,9 @@ import redis
 from django.db import transaction
 
 from budgeting.admin_services import Actor, InvalidChange, record_change, snapshot
-from budgeting.counting import RedisCountCache
-from budgeting.models import PolicyAlias, PolicyState, PolicyVersion
-from budgeting.problems import Conflict, InvalidInput, NotFound
+from budgeting.admission.count_cache import RedisCountCache
+from budgeting.api.problems import Conflict, InvalidInput, NotFound
+from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
 from ladder.policy import PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from budgeting.models import Manifest
+from budgeting.admission.models import Manifest
 
 
 def record_manifest(*, manifest: Manifest) -> Manifest:

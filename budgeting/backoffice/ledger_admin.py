@@ -24,8 +24,11 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting import admin_services, reports
-from budgeting.admin import (
+from budgeting import admin_services
+from budgeting.admin_services import DimensionPreview
+from budgeting.api.problems import Problem
+from budgeting.backoffice import reports
+from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     ReasonForm,
     actor,
@@ -35,10 +38,8 @@ from budgeting.admin import (
     recent_changes,
     require,
 )
-from budgeting.admin_services import DimensionPreview
-from budgeting.models import TemporaryIncrease
-from budgeting.problems import Problem
-from budgeting.report_views import backlog_chart
+from budgeting.backoffice.report_views import backlog_chart
+from budgeting.catalog.models import TemporaryIncrease
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
 from ledger.periods import period_start_for
 

@@ -14,10 +14,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from budgeting import admission
-from budgeting.models import ServiceClient, Tenant
-from budgeting.problems import InvalidInput, NotFound
-from budgeting.serializers import (
+from budgeting.admission import orchestrator as admission
+from budgeting.api.problems import InvalidInput, NotFound
+from budgeting.api.serializers import (
     AdmissionIn,
     DispatchIn,
     FailIn,
@@ -26,6 +25,7 @@ from budgeting.serializers import (
     TopUpIn,
     UsageIn,
 )
+from budgeting.catalog.models import ServiceClient, Tenant
 from ledger import selectors, services
 
 ProblemOut = inline_serializer(

@@ -19,8 +19,8 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting.admin import ReadOnlyAdmin, ReasonForm, actor, change_url, confirm_page, require
 from budgeting.admin_services import record_change
+from budgeting.backoffice.kit import ReadOnlyAdmin, ReasonForm, actor, change_url, confirm_page, require
 from ledger.models import Reservation
 from reconciliation import billing
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind

@@ -9,8 +9,8 @@ from typing import cast
 
 from django.conf import settings
 
-from budgeting.models import ModelPool, ModelRevision, PolicyAlias, TaskClass, Tokenizer
-from budgeting.problems import NotFound, Problem
+from budgeting.api.problems import NotFound, Problem
+from budgeting.catalog.models import ModelPool, ModelRevision, PolicyAlias, TaskClass, Tokenizer
 from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
 from ladder.policy import Policy, TaskPolicy, parse_policy

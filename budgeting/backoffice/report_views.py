@@ -20,10 +20,10 @@ from django.http.response import HttpResponseBase
 from django.template.response import TemplateResponse
 from django.utils import timezone
 
-from budgeting import reports
-from budgeting.models import ModelPool, TaskClass, Tenant
-from budgeting.problems import PROBLEM_CONTENT_TYPE, Problem
-from budgeting.roles import REPORT_PERMISSION
+from budgeting.api.problems import PROBLEM_CONTENT_TYPE, Problem
+from budgeting.backoffice import reports
+from budgeting.backoffice.roles import REPORT_PERMISSION
+from budgeting.catalog.models import ModelPool, TaskClass, Tenant
 from ladder.policy import RUNGS
 
 FORMATS = ("json", "csv", "focus")

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from budgeting.models import (
+from budgeting.catalog.models import (
     ApiToken,
     ImageFormula,
     ModelPool,
@@ -33,7 +33,7 @@ from budgeting.models import (
     Tokenizer,
     hash_token,
 )
-from budgeting.tokenizer_assets import sha256_file
+from budgeting.catalog.tokenizer_assets import sha256_file
 from ladder.counting import upper_bound_rule
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for

@@ -19,7 +19,7 @@ def forbid_additional_request_properties(
 class ServiceTokenScheme(OpenApiAuthenticationExtension):
     """Documents the gateway bearer token in the OpenAPI document."""
 
-    target_class = "budgeting.auth.ServiceTokenAuthentication"
+    target_class = "budgeting.api.auth.ServiceTokenAuthentication"
     name = "serviceToken"
 
     def get_security_definition(self, auto_schema: Any) -> dict[str, str]:

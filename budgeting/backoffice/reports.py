@@ -23,8 +23,9 @@ from django.db import connection
 from django.db.models import Count, F, Min, OuterRef, Q, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from budgeting.models import Manifest, ModelPool, Price, TaskClass, Tenant
-from budgeting.problems import InvalidInput
+from budgeting.admission.models import Manifest
+from budgeting.api.problems import InvalidInput
+from budgeting.catalog.models import ModelPool, Price, TaskClass, Tenant
 from ledger.models import EntryKind, Hold, LedgerEntry, Reservation, State
 
 MILLION = Decimal(1_000_000)

@@ -14,7 +14,7 @@ from typing import IO, Any
 from django.conf import settings
 from rest_framework.parsers import BaseParser
 
-from budgeting.problems import Problem
+from budgeting.api.problems import Problem
 
 MAX_DEPTH = 64
 MAX_SAFE_INTEGER = 2**53 - 1

@@ -14,10 +14,13 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from budgeting import catalog, metrics, services
-from budgeting.counting import RedisCountCache
-from budgeting.models import Manifest, ModelRevision, RolloutMode, Tenant
-from budgeting.problems import Conflict, InvalidInput, NotFound, Problem, Unavailable
+from budgeting.admission.count_cache import RedisCountCache
+from budgeting.admission.models import Manifest
+from budgeting.admission import manifests as services
+from budgeting.api.problems import Conflict, InvalidInput, NotFound, Problem, Unavailable
+from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
+from budgeting.catalog import selectors as catalog
+from budgeting.observability import metrics
 from ladder.components import ComponentError, Components, Limits, parse_components
 from ladder.counting import CountingUnavailable, rendered_digest
 from ladder.decide import ESTIMATOR_REVISION, Decision, decide

@@ -28,8 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from budgeting.models import Manifest
-from budgeting.reports import CONTEXT_OVERFLOW_PATTERN, leak_filter
+from budgeting.admission.models import Manifest
+from budgeting.backoffice.reports import CONTEXT_OVERFLOW_PATTERN, leak_filter
 from ledger.models import Reservation, State
 
 logger = logging.getLogger(__name__)

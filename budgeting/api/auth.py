@@ -6,7 +6,7 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from budgeting.models import ApiToken, ServiceClient, hash_token
+from budgeting.catalog.models import ApiToken, ServiceClient, hash_token
 
 
 class ServiceTokenAuthentication(BaseAuthentication):

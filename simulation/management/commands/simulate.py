@@ -26,13 +26,13 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
+from budgeting.catalog.models import ModelPool
 from budgeting.celery import app as celery_app
-from budgeting.models import ModelPool
 from ledger.models import Reservation, State
 from ledger.selectors import AuditReport, audit
 from reconciliation.models import BillingImport
-from reconciliation.simulator import BillingComparison, Simulator
-from reconciliation.traffic import Fleet
+from simulation.provider import BillingComparison, Simulator
+from simulation.traffic import Fleet
 
 DEMO_TOKEN = "tb_demo_gateway_eu_0000000000000000"
 PROVIDER_KEY = "sk-simulate"

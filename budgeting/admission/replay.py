@@ -17,10 +17,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from budgeting import catalog
-from budgeting.admission import LIMITS, decision_label
-from budgeting.models import Manifest, ModelRevision, PolicyVersion, RolloutMode, Tokenizer
-from budgeting.serializers import AdmissionIn
+from budgeting.admission.models import Manifest
+from budgeting.admission.orchestrator import LIMITS, decision_label
+from budgeting.api.serializers import AdmissionIn
+from budgeting.catalog.models import ModelRevision, PolicyVersion, RolloutMode, Tokenizer
+from budgeting.catalog import selectors as catalog
 from ladder.components import ComponentError, Components, parse_components
 from ladder.counting import CountingUnavailable, MemoryCountCache, SegmentCounter, UpperBoundRule
 from ladder.decide import COUNTING_UNAVAILABLE, Decision, decide

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from budgeting.models import ModelPool
+from budgeting.catalog.models import ModelPool
 from ledger import services as ledger
 from reconciliation.providers import LookupStatus, ProviderLookup, SimulatorLookup
 

@@ -1,0 +1,45 @@
+"""The manifest: the replayable record of every admission decision (SPEC §7)."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+
+
+class Manifest(models.Model):
+    """The replayable record of one admission decision (SPEC §7)."""
+
+    request_id = models.CharField(max_length=128)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="manifests")
+    task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, related_name="+")
+    model_pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, related_name="+")
+    model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
+    tokenizer_digest = models.CharField(max_length=71)
+    policy_revision = models.PositiveIntegerField(null=True, blank=True)
+    decision = models.CharField(
+        max_length=32, help_text="What the ladder decided (what a replay reproduces)."
+    )
+    answer = models.CharField(
+        max_length=24,
+        blank=True,
+        help_text="What the caller was finally answered: RESERVED, QUEUED, QUOTA_EXCEEDED, REPLAYED, SHADOW "
+        "or the rejection code.",
+    )
+    rung = models.CharField(max_length=32)
+    mode = models.CharField(max_length=8, choices=RolloutMode.choices)
+    rendered_digest = models.CharField(max_length=71)
+    input_tokens = models.PositiveIntegerField()
+    count_method = models.CharField(max_length=16)
+    request = models.JSONField(
+        help_text="The admission request as received (components included) for replay."
+    )
+    record = models.JSONField(help_text="Locked revisions, digests, per-component counts, ladder steps.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["tenant", "request_id"]), models.Index(fields=["created_at"])]
+
+    def __str__(self) -> str:
+        return f"{self.request_id} {self.decision}/{self.rung}"

@@ -1,0 +1,1 @@
+"""The v1 REST API: views, serializers, the strict parser, auth, OpenAPI, and the domain-error mapping."""

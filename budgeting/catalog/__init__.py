@@ -1,0 +1,1 @@
+"""The catalog: tenants, task classes, pools, model revisions, tokenizers, service clients, policies."""

@@ -1,0 +1,1 @@
+"""The gateway side of the admission protocol, installable alone (standard library only, no Django)."""
