@@ -10,6 +10,8 @@ reported.
 from __future__ import annotations
 
 import hashlib
+import logging
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,11 +19,14 @@ from datetime import datetime
 from django.db import connection, transaction
 from django.db.models import Sum
 
+from budgeting.catalog.models import ModelPool
 from ledger import locks
-from ledger import services as ledger
 from ledger.models import Reservation, State
+from ledger.services import settlement
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
 from reconciliation.providers import BucketBillingRecord, RequestBillingRecord, scan_billing_export
+
+logger = logging.getLogger(__name__)
 
 OPEN_AFTER_DISPATCH = [State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED, State.RECONCILING]
 
@@ -216,13 +221,13 @@ def _settle(
             continue
         # settle_from_evidence itself leaves a dispatched call alone while its gateway's lease is live.
         if reservation.state in OPEN_AFTER_DISPATCH:
-            evidence = ledger.Evidence(
-                ledger.EvidenceKind.COMPLETED,
+            evidence = settlement.Evidence(
+                settlement.EvidenceKind.COMPLETED,
                 record.input_tokens,
                 record.output_tokens,
                 source=f"billing import {billing_import.pk}",
             )
-            if ledger.settle_from_evidence(
+            if settlement.settle_from_evidence(
                 reservation_id=reservation.pk, fence=None, evidence=evidence, now=now
             ):
                 findings.append(
@@ -293,3 +298,27 @@ def _report_missing(
                     detail="dispatched in the export's period but not billed",
                 )
             )
+
+
+def fetch_and_import(*, now: datetime) -> dict[str, int]:
+    """Fetch each pool's provider billing exports (per request and per hour bucket, JSONL) and import them;
+    an export seen before is recognised by its digest and changes nothing."""
+    totals = {"imports": 0, "unchanged": 0, "failed": 0}
+    for pool in ModelPool.objects.exclude(provider_base_url=""):
+        for granularity in ("request", "bucket"):
+            url = (
+                f"{pool.provider_base_url.rstrip('/')}/v1/billing/export?format=jsonl"
+                f"&granularity={granularity}&bucket=1h"
+            )
+            try:
+                with urllib.request.urlopen(url, timeout=10) as response:
+                    text = response.read().decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                logger.warning("billing export of pool %s unavailable: %s", pool.slug, exc)
+                totals["failed"] += 1
+                continue
+            result = import_export(
+                text=text, fmt="jsonl", source=f"pool {pool.slug} ({granularity})", now=now
+            )
+            totals["imports" if result.created else "unchanged"] += 1
+    return totals

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from budgeting.catalog.models import ModelPool
-from ledger import services as ledger
+from ledger.services import settlement
 from reconciliation.providers import LookupStatus, ProviderLookup, SimulatorLookup
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,9 @@ class ReclaimReport:
     details: list[str] = field(default_factory=list)
 
 
-def _resolve(claims: list[ledger.Claim], lookup_for: LookupFor, now: datetime, report: ReclaimReport) -> None:
+def _resolve(
+    claims: list[settlement.Claim], lookup_for: LookupFor, now: datetime, report: ReclaimReport
+) -> None:
     for claim in claims:
         adapter = lookup_for(claim.pool_id) if claim.provider_request_id else None
         if adapter is None:
@@ -47,20 +49,20 @@ def _resolve(claims: list[ledger.Claim], lookup_for: LookupFor, now: datetime, r
             report.still_unknown += 1
             continue
         if result.status == LookupStatus.COMPLETED:
-            evidence = ledger.Evidence(
-                ledger.EvidenceKind.COMPLETED, result.input_tokens, result.output_tokens
+            evidence = settlement.Evidence(
+                settlement.EvidenceKind.COMPLETED, result.input_tokens, result.output_tokens
             )
         elif result.status == LookupStatus.NOT_PROCESSED:
-            evidence = ledger.Evidence(ledger.EvidenceKind.NOT_PROCESSED)
+            evidence = settlement.Evidence(settlement.EvidenceKind.NOT_PROCESSED)
         else:
             report.still_unknown += 1
             continue
-        settled = ledger.settle_from_evidence(
+        settled = settlement.settle_from_evidence(
             reservation_id=claim.reservation_id, fence=claim.fence, evidence=evidence, now=now
         )
         if settled is None:
             report.details.append(f"{claim.reservation_id}: fence moved on or already settled")
-        elif evidence.kind == ledger.EvidenceKind.NOT_PROCESSED:
+        elif evidence.kind == settlement.EvidenceKind.NOT_PROCESSED:
             report.refunded += 1
         else:
             report.settled += 1
@@ -71,7 +73,7 @@ def reclaim_expired_leases(
 ) -> ReclaimReport:
     """Take over expired leases and resolve what the provider can prove; everything else stays RECONCILING."""
     report = ReclaimReport()
-    released, claims = ledger.claim_expired_leases(now=now, limit=limit)
+    released, claims = settlement.claim_expired_leases(now=now, limit=limit)
     report.released = len(released)
     report.frozen = len(claims)
     _resolve(claims, lookup_for, now, report)
@@ -83,5 +85,5 @@ def lookup_unknown_outcomes(
 ) -> ReclaimReport:
     """Retry provider lookups for RECONCILING reservations whose previous claim lease ran out."""
     report = ReclaimReport()
-    _resolve(ledger.claim_reconciling(limit=limit), lookup_for, now, report)
+    _resolve(settlement.claim_reconciling(limit=limit), lookup_for, now, report)
     return report

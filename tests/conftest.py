@@ -22,7 +22,7 @@ def redis_db():
 @pytest.fixture(autouse=True)
 def fresh_account_cache():
     """Each test provisions its own accounts; the per-process list of applicable accounts starts empty."""
-    from ledger.services import forget_account_cache
+    from ledger.services.accounts import forget_account_cache
 
     forget_account_cache()
     yield

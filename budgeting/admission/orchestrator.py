@@ -14,26 +14,26 @@ from typing import Any
 
 from django.db.models import QuerySet
 
+from budgeting.admission import manifests as services
 from budgeting.admission.count_cache import RedisCountCache
 from budgeting.admission.models import Manifest
-from budgeting.admission import manifests as services
-from budgeting.api.problems import Conflict, InvalidInput, NotFound, Problem, Unavailable
-from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.catalog import selectors as catalog
+from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, NotFound, Unavailable, Unprocessable
+from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.observability import metrics
 from ladder.components import ComponentError, Components, Limits, parse_components
 from ladder.counting import CountingUnavailable, rendered_digest
 from ladder.decide import ESTIMATOR_REVISION, Decision, decide
 from ladder.rungs import minimum_evidence_ids
 from ladder.templates import build_payload
-from ledger import services as ledger
+from ledger.errors import QuotaExceeded
 from ledger.models import Reservation, State
+from ledger.services import admission as ledger_admission
 
 LIMITS = Limits()
 
 
-class ContextBudgetExceeded(Problem):
-    status = 422
+class ContextBudgetExceeded(Unprocessable):
     code = "CONTEXT_BUDGET_EXCEEDED"
     title = "The request does not fit the context budget, even after the ladder"
 
@@ -43,6 +43,8 @@ class Result:
     status: int
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
+    would_reject: DomainError | None = None
+    """In shadow mode, what enforcing would have answered (the API shows it as ``wouldReject``)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def _run_ladder(ctx: Context) -> Decision:
             cache=RedisCountCache(),
         )
     except CountingUnavailable as exc:
-        raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", headers={"Retry-After": "5"}) from None
+        raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None
     metrics.observe_ladder_latency(time.perf_counter() - started)
     return decision
 
@@ -221,12 +223,12 @@ def count(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, now:
     return Result(200, {**_decision_body(ctx, decision), "payload": decision.payload})
 
 
-def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> Problem:
+def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> DomainError:
     if decision.code == "COUNTING_UNAVAILABLE":
         return Unavailable(
             "counting is unavailable and the policy rejects",
             code="COUNTING_UNAVAILABLE",
-            headers={"Retry-After": "5"},
+            retry_after=5,
             manifestId=manifest.pk,
         )
     problem_code = decision.code if decision.code == "MINIMUM_EVIDENCE_UNAVAILABLE" else None
@@ -270,14 +272,14 @@ def queued_body(reservation: Reservation) -> dict[str, Any]:
 def admit(
     *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
-    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises Problem subclasses.
+    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises DomainError subclasses.
 
     Its latency is observed per rung (``REJECTED`` for a refusal) for the metrics.
     """
     started = time.perf_counter()
     try:
         result = _admit(tenants=tenants, envelope=envelope, raw=raw, idempotency_key=idempotency_key, now=now)
-    except Problem:
+    except DomainError:
         metrics.observe_admission_latency(time.perf_counter() - started, "REJECTED")
         raise
     metrics.observe_admission_latency(time.perf_counter() - started, str(result.body.get("rung", "NONE")))
@@ -287,7 +289,7 @@ def admit(
 def _admit(
     *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
-    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises Problem subclasses."""
+    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises DomainError."""
     if not idempotency_key or len(idempotency_key) > 200:
         raise InvalidInput(
             "the Idempotency-Key header is required (at most 200 characters)", code="IDEMPOTENCY_KEY_REQUIRED"
@@ -295,7 +297,7 @@ def _admit(
     ctx = _resolve(tenants, envelope)
     decision = _run_ladder(ctx)
     request_digest = request_fingerprint(ctx)
-    earlier = ledger.find_by_idempotency_key(
+    earlier = ledger_admission.find_by_idempotency_key(
         tenant=ctx.tenant, idempotency_key=idempotency_key, rendered_digest=request_digest
     )
     if earlier is not None:
@@ -306,8 +308,6 @@ def _admit(
     if mode == RolloutMode.SHADOW:
         # Shadow never blocks: whatever was decided (even a rejection) is recorded and counted, and the caller
         # gets its request back unchanged with nothing held.
-        if not decision.fits:
-            body["wouldReject"] = _rejection(ctx, decision, manifest).body()
         _answered(manifest, "SHADOW")
         return Result(
             200,
@@ -318,6 +318,7 @@ def _admit(
                 "payload": ctx.full_payload,
                 "note": "shadow: decision recorded, request unchanged, no capacity held",
             },
+            would_reject=None if decision.fits else _rejection(ctx, decision, manifest),
         )
     if not decision.fits:
         _answered(manifest, decision.code or "REJECTED")
@@ -325,7 +326,7 @@ def _admit(
     body["payload"] = decision.payload
     body["mode"] = RolloutMode.ENFORCE
     r = ctx.resolved
-    spec = ledger.AdmissionSpec(
+    spec = ledger_admission.AdmissionSpec(
         tenant=ctx.tenant,
         task_class=r.task_class,
         pool=r.pool,
@@ -347,8 +348,8 @@ def _admit(
         request_body={"decisionBody": body},
     )
     try:
-        admitted = ledger.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
-    except ledger.QuotaExceeded:
+        admitted = ledger_admission.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
+    except QuotaExceeded:
         # The ladder admitted it; the ledger did not. The manifest says what was finally answered.
         _answered(manifest, "QUOTA_EXCEEDED")
         raise
@@ -374,7 +375,7 @@ def _answer(reservation: Reservation) -> Result:
         body = {
             "reservationId": str(reservation.pk),
             "state": reservation.state,
-            "queuePosition": ledger.queue_position(reservation),
+            "queuePosition": ledger_admission.queue_position(reservation),
             "queueDeadline": reservation.queue_deadline.isoformat() if reservation.queue_deadline else None,
             "poll": f"/api/v1/reservations/{reservation.pk}",
             "reason": reservation.failure_reason,

@@ -20,8 +20,8 @@ from typing import Any, cast
 from budgeting.admission.models import Manifest
 from budgeting.admission.orchestrator import LIMITS, decision_label
 from budgeting.api.serializers import AdmissionIn
-from budgeting.catalog.models import ModelRevision, PolicyVersion, RolloutMode, Tokenizer
 from budgeting.catalog import selectors as catalog
+from budgeting.catalog.models import ModelRevision, PolicyVersion, RolloutMode, Tokenizer
 from ladder.components import ComponentError, Components, parse_components
 from ladder.counting import CountingUnavailable, MemoryCountCache, SegmentCounter, UpperBoundRule
 from ladder.decide import COUNTING_UNAVAILABLE, Decision, decide

@@ -1,7 +1,5 @@
-"""Domain errors and their single translation to ``application/problem+json``.
-
-Every error a client can cause has a stable machine-readable ``code``. Views raise ``Problem`` subclasses (or
-DRF's own exceptions); ``exception_handler`` is the one place that turns them into responses.
+"""The one place that turns errors into ``application/problem+json``: domain errors (``DomainError`` from any
+room) by their kind, DRF's own exceptions by class, and the API's own ``Problem``s (which carry a status).
 """
 
 from __future__ import annotations
@@ -12,11 +10,31 @@ from django.http import Http404
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
 
+from budgeting.catalog.errors import (
+    CapacityExhausted,
+    Conflict,
+    DomainError,
+    InvalidInput,
+    NotFound,
+    Unavailable,
+    Unprocessable,
+)
+
 PROBLEM_CONTENT_TYPE = "application/problem+json"
 
+# The first kind in a domain error's class hierarchy that is listed here gives its status.
+STATUS_BY_KIND: dict[type[DomainError], int] = {
+    InvalidInput: 400,
+    NotFound: 404,
+    Conflict: 409,
+    Unprocessable: 422,
+    CapacityExhausted: 429,
+    Unavailable: 503,
+}
 
-class Problem(Exception):
-    """A client-visible error: HTTP status, stable code, human title and detail, extra members."""
+
+class Problem(DomainError):
+    """An error only the HTTP layer knows (a body too large, a method not allowed): it names its status."""
 
     status = 400
     code = "BAD_REQUEST"
@@ -27,52 +45,37 @@ class Problem(Exception):
         detail: str = "",
         *,
         status: int | None = None,
-        code: str | None = None,
         headers: dict[str, str] | None = None,
-        **extra: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(detail or self.title)
-        self.detail = detail or self.title
+        super().__init__(detail, **kwargs)
         if status is not None:
             self.status = status
-        if code is not None:
-            self.code = code
         self.headers = headers or {}
-        self.extra = extra
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "type": f"https://errors.token-budget.invalid/{self.code.lower().replace('_', '-')}",
-            "title": self.title,
-            "status": self.status,
-            "code": self.code,
-            "detail": self.detail,
-            **self.extra,
-        }
 
 
-class InvalidInput(Problem):
-    status = 400
-    code = "INVALID_INPUT"
-    title = "The request body is not valid"
+def status_of(error: DomainError) -> int:
+    if isinstance(error, Problem):
+        return error.status
+    return next((STATUS_BY_KIND[k] for k in type(error).__mro__ if k in STATUS_BY_KIND), 400)
 
 
-class NotFound(Problem):
-    status = 404
-    code = "NOT_FOUND"
-    title = "Not found"
+def problem_body(error: DomainError) -> dict[str, Any]:
+    return {
+        "type": f"https://errors.token-budget.invalid/{error.code.lower().replace('_', '-')}",
+        "title": error.title,
+        "status": status_of(error),
+        "code": error.code,
+        "detail": error.detail,
+        **error.extra,
+    }
 
 
-class Conflict(Problem):
-    status = 409
-    code = "CONFLICT"
-    title = "Conflict with the current state"
-
-
-class Unavailable(Problem):
-    status = 503
-    code = "UNAVAILABLE"
-    title = "Temporarily unavailable"
+def problem_headers(error: DomainError) -> dict[str, str]:
+    headers = dict(error.headers) if isinstance(error, Problem) else {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(error.retry_after)
+    return headers
 
 
 _DRF_CODES: dict[type[Exception], tuple[str, str]] = {
@@ -89,16 +92,16 @@ _DRF_CODES: dict[type[Exception], tuple[str, str]] = {
 }
 
 
-def problem_response(problem: Problem) -> Response:
-    response = Response(problem.body(), status=problem.status, content_type=PROBLEM_CONTENT_TYPE)
-    for name, value in problem.headers.items():
+def problem_response(error: DomainError) -> Response:
+    response = Response(problem_body(error), status=status_of(error), content_type=PROBLEM_CONTENT_TYPE)
+    for name, value in problem_headers(error).items():
         response[name] = value
     return response
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF exception handler: domain problems and DRF errors become problem+json; others propagate."""
-    if isinstance(exc, Problem):
+    if isinstance(exc, DomainError):
         return problem_response(exc)
     if isinstance(exc, Http404):
         return problem_response(NotFound(str(exc) or "Not found"))

@@ -15,7 +15,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from budgeting.admission import orchestrator as admission
-from budgeting.api.problems import InvalidInput, NotFound
+from budgeting.api.problems import problem_body
 from budgeting.api.serializers import (
     AdmissionIn,
     DispatchIn,
@@ -25,8 +25,10 @@ from budgeting.api.serializers import (
     TopUpIn,
     UsageIn,
 )
+from budgeting.catalog.errors import InvalidInput, NotFound
 from budgeting.catalog.models import ServiceClient, Tenant
-from ledger import selectors, services
+from ledger import selectors
+from ledger.services import lifecycle
 
 ProblemOut = inline_serializer(
     "Problem",
@@ -85,7 +87,10 @@ class AdmissionView(TenantScopedView):
         result = admission.admit(
             tenants=self.tenants(), envelope=body, raw=request.data, idempotency_key=key, now=timezone.now()
         )
-        response = Response(result.body, status=result.status)
+        body = result.body
+        if result.would_reject is not None:
+            body = {**body, "wouldReject": problem_body(result.would_reject)}
+        response = Response(body, status=result.status)
         for name, value in result.headers.items():
             response[name] = value
         return response
@@ -122,7 +127,7 @@ class DispatchView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(DispatchIn, request.data)
-        services.dispatch(
+        lifecycle.dispatch(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -138,13 +143,13 @@ class UsageView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(UsageIn, request.data)
-        usage = services.Usage(
+        usage = lifecycle.Usage(
             usage_event_id=body["usageEventId"],
             output_tokens=body["outputTokens"],
             input_tokens=body.get("inputTokens"),
             final=body["final"],
         )
-        _, applied = services.record_usage(
+        _, applied = lifecycle.record_usage(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -159,7 +164,7 @@ class TopUpView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(TopUpIn, request.data)
-        _, applied = services.top_up(
+        _, applied = lifecycle.top_up(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -175,7 +180,7 @@ class CancelView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
-        services.cancel(
+        lifecycle.cancel(
             reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], now=timezone.now()
         )
         return self.respond(rid)
@@ -189,13 +194,13 @@ class FailView(_LifecycleView):
         raw_usage = body.get("usage")
         usage = None
         if raw_usage:
-            usage = services.Usage(
+            usage = lifecycle.Usage(
                 usage_event_id=raw_usage["usageEventId"],
                 output_tokens=raw_usage["outputTokens"],
                 input_tokens=raw_usage.get("inputTokens"),
                 final=False,
             )
-        services.fail(
+        lifecycle.fail(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -212,7 +217,7 @@ class LeaseView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
-        services.renew_lease(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"])
+        lifecycle.renew_lease(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"])
         return self.respond(rid)
 
 
@@ -221,7 +226,7 @@ class OutcomeView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(OutcomeIn, request.data)
-        services.record_outcome(
+        lifecycle.record_outcome(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             task_success=body["taskSuccess"],

@@ -287,7 +287,7 @@ class TemporaryIncrease(models.Model):
     """Extra limit granted on a capacity account until ``expires_at``.
 
     Granting adds the amounts to the account's limits; expiry or revocation subtracts them again
-    (``budgeting.admin_services``), so admission keeps reading one limit per dimension.
+    (``ledger.services.limits``), so admission keeps reading one limit per dimension.
     """
 
     account = models.ForeignKey(

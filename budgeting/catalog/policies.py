@@ -17,9 +17,9 @@ from typing import Any
 import redis
 from django.db import transaction
 
-from budgeting.admin_services import Actor, InvalidChange, record_change, snapshot
 from budgeting.admission.count_cache import RedisCountCache
-from budgeting.api.problems import Conflict, InvalidInput, NotFound
+from budgeting.catalog.changes import Actor, record_change, snapshot
+from budgeting.catalog.errors import Conflict, InvalidChange, InvalidInput, NotFound
 from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
 from ladder.policy import PolicyError, parse_policy
 

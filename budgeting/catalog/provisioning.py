@@ -37,7 +37,7 @@ from budgeting.catalog.tokenizer_assets import sha256_file
 from ladder.counting import upper_bound_rule
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
-from ledger.services import forget_account_cache
+from ledger.services.accounts import forget_account_cache
 
 T = TypeVar("T")
 CAPABILITIES = {"tools", "json_schema", "vision"}

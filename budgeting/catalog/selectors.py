@@ -9,7 +9,7 @@ from typing import cast
 
 from django.conf import settings
 
-from budgeting.api.problems import NotFound, Problem
+from budgeting.catalog.errors import NotFound, Unavailable
 from budgeting.catalog.models import ModelPool, ModelRevision, PolicyAlias, TaskClass, Tokenizer
 from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
@@ -19,8 +19,7 @@ from ladder.rungs import ModelSpec
 ACTIVE_ALIAS = "production"
 
 
-class PolicyMissing(Problem):
-    status = 503
+class PolicyMissing(Unavailable):
     code = "POLICY_UNAVAILABLE"
     title = "No active policy version"
 

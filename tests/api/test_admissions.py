@@ -317,7 +317,7 @@ def test_a_structured_rejection_when_hard_buckets_do_not_fit(api):
 def test_replaying_a_request_the_queue_rejected_says_so(api):
     from datetime import UTC, datetime
 
-    from reconciliation.operations import admit_queue
+    from budgeting.admission.queue import admit_queue
 
     CapacityAccount.objects.filter(scope=Scope.TENANT, tenant__slug="t-19").update(concurrency_limit=0)
     queued = post(api, "/api/v1/admissions", request_body(), key="k-late")

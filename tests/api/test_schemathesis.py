@@ -41,11 +41,11 @@ def demo(db, redis_db, no_connection_recycling):
 
     apply_config(load_file(DEMO), validate_policy=validate_policy_document)
     from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
-    from ledger import services
+    from ledger.services import admission
     from tests.ledger.helpers import body, now
 
     pool = ModelPool.objects.get(slug="eu-large")
-    spec = services.AdmissionSpec(
+    spec = admission.AdmissionSpec(
         tenant=Tenant.objects.get(slug="t-19"),
         task_class=TaskClass.objects.get(slug="support-chat"),
         pool=pool,
@@ -60,7 +60,7 @@ def demo(db, redis_db, no_connection_recycling):
         rung="FULL",
         manifest_id=None,
     )
-    return services.reserve(spec=spec, build_body=body, now=now()).reservation
+    return admission.reserve(spec=spec, build_body=body, now=now()).reservation
 
 
 @schema.parametrize()

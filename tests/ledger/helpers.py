@@ -12,8 +12,8 @@ from typing import Any, cast
 from django.db import connection
 
 from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
-from ledger import services
 from ledger.models import CapacityAccount, Reservation, Scope
+from ledger.services import admission as ledger_admission
 from tests.factories import (
     AccountFactory,
     ModelPoolFactory,
@@ -59,9 +59,9 @@ def spec(
     output_tokens: int = 50,
     digest: str = DIGEST,
     queue: bool = False,
-) -> services.AdmissionSpec:
+) -> ledger_admission.AdmissionSpec:
     key = key or uuid.uuid4().hex
-    return services.AdmissionSpec(
+    return ledger_admission.AdmissionSpec(
         tenant=cat.tenant,
         task_class=cat.task_class,
         pool=cat.pool,
@@ -88,8 +88,8 @@ def now() -> datetime:
     return datetime.now(UTC)
 
 
-def admit(s: services.AdmissionSpec) -> services.Admitted:
-    return services.reserve(spec=s, build_body=body, now=now())
+def admit(s: ledger_admission.AdmissionSpec) -> ledger_admission.Admitted:
+    return ledger_admission.reserve(spec=s, build_body=body, now=now())
 
 
 def run_concurrently(workers: int, task: Callable[[int], Any]) -> list[Any]:

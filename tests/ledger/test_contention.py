@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from ledger import services
+from ledger.errors import QuotaExceeded
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope
 from ledger.selectors import audit
+from ledger.services import admission
 from tests.ledger.helpers import admit, catalog, pool_account, run_concurrently, spec, tenant_account
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -28,9 +29,9 @@ def _outcomes(results: list[Any]) -> tuple[int, int, list[Any]]:
     other = []
     for batch in results:
         for item in batch if isinstance(batch, list) else [batch]:
-            if isinstance(item, services.Admitted):
+            if isinstance(item, admission.Admitted):
                 admitted += 1
-            elif isinstance(item, services.QuotaExceeded):
+            elif isinstance(item, QuotaExceeded):
                 quota += 1
             else:
                 other.append(item)
@@ -43,7 +44,7 @@ def _attempts(cat: Any, sizes: list[int]) -> Any:
         for j in range(PER_THREAD):
             try:
                 out.append(admit(spec(cat, input_tokens=sizes[i * PER_THREAD + j], output_tokens=10)))
-            except services.QuotaExceeded as exc:
+            except QuotaExceeded as exc:
                 out.append(exc)
         return out
 
@@ -93,7 +94,7 @@ def test_tenant_cap_shared_by_several_pools_has_no_write_skew():
         for _ in range(PER_THREAD):
             try:
                 out.append(admit(spec(cats[i % 4], input_tokens=100, output_tokens=1)))
-            except services.QuotaExceeded as exc:
+            except QuotaExceeded as exc:
                 out.append(exc)
         return out
 

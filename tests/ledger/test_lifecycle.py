@@ -6,9 +6,18 @@ from typing import Any
 
 import pytest
 
-from ledger import services
+from budgeting.catalog.errors import Conflict
+from ledger.errors import (
+    IdempotencyConflict,
+    InvalidTransition,
+    PayloadChanged,
+    QuotaExceeded,
+    StaleFence,
+    UsageEventConflict,
+)
 from ledger.models import CapacityAccount, LedgerEntry, Outcome, Reservation, State
 from ledger.selectors import audit
+from ledger.services import accounts, admission, lifecycle
 from tests.ledger.helpers import admit, catalog, now, pool_account, run_concurrently, spec, tenant_account
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,7 +41,7 @@ def reserved(cat: Any, **kw: Any) -> Reservation:
 
 def dispatched(cat: Any) -> Reservation:
     r = reserved(cat)
-    return services.dispatch(
+    return lifecycle.dispatch(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
@@ -52,11 +61,11 @@ def usage(
     inp: int | None = None,
     fence: int = 1,
 ) -> tuple[Reservation, bool]:
-    return services.record_usage(
+    return lifecycle.record_usage(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=fence,
-        usage=services.Usage(event, out, inp, final),
+        usage=lifecycle.Usage(event, out, inp, final),
         now=now(),
     )
 
@@ -83,11 +92,11 @@ def test_admit_holds_on_every_account(setup):
 def test_cancel_before_dispatch_releases_everything(setup):
     cat, t, _ = setup
     r = reserved(cat)
-    r = services.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
+    r = lifecycle.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
     assert (r.state, r.outcome) == (State.SETTLED, Outcome.RELEASED)
     assert balances(t) == (0, 0, 0, 0, 0)
     # Cancelling again is an idempotent no-op.
-    services.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
+    lifecycle.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
     assert audit().ok
 
 
@@ -96,7 +105,7 @@ def test_dispatch_posts_input_and_repeats_as_no_op(setup):
     r = dispatched(cat)
     assert r.state == State.DISPATCHED
     assert balances(t) == (0, 50, 100, 0, 1)
-    again = services.dispatch(
+    again = lifecycle.dispatch(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
@@ -111,8 +120,8 @@ def test_dispatch_posts_input_and_repeats_as_no_op(setup):
 def test_dispatch_with_another_digest_is_payload_changed(setup):
     cat, t, _ = setup
     r = reserved(cat)
-    with pytest.raises(services.PayloadChanged):
-        services.dispatch(
+    with pytest.raises(PayloadChanged):
+        lifecycle.dispatch(
             reservation_id=r.pk,
             tenant_ids=_tids(cat),
             fence=1,
@@ -170,7 +179,7 @@ def test_same_event_id_with_other_amounts_conflicts_and_changes_nothing(setup):
     cat, _, _ = setup
     r = dispatched(cat)
     usage(cat, r, "e1", 7)
-    with pytest.raises(services.UsageEventConflict):
+    with pytest.raises(UsageEventConflict):
         usage(cat, r, "e1", 8)
     r.refresh_from_db()
     assert r.captured == 7
@@ -189,7 +198,7 @@ def test_capture_after_settlement_is_refused(setup):
     cat, _, _ = setup
     r = dispatched(cat)
     usage(cat, r, "e1", 5, final=True)
-    with pytest.raises(services.InvalidTransition):
+    with pytest.raises(InvalidTransition):
         usage(cat, r, "late", 5)
 
 
@@ -197,12 +206,12 @@ def test_stale_fence_is_refused_everywhere(setup):
     cat, _, _ = setup
     r = dispatched(cat)
     Reservation.objects.filter(pk=r.pk).update(fence=2)
-    with pytest.raises(services.StaleFence):
+    with pytest.raises(StaleFence):
         usage(cat, r, "e1", 5, fence=1)
-    with pytest.raises(services.StaleFence):
-        services.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
-    with pytest.raises(services.StaleFence):
-        services.renew_lease(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1)
+    with pytest.raises(StaleFence):
+        lifecycle.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
+    with pytest.raises(StaleFence):
+        lifecycle.renew_lease(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1)
     r.refresh_from_db()
     assert r.captured == 0
 
@@ -211,7 +220,7 @@ def test_cancel_after_dispatch_settles_consumed_and_keeps_rest_held(setup):
     cat, t, _ = setup
     r = dispatched(cat)
     usage(cat, r, "e1", 20)
-    r = services.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
+    r = lifecycle.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
     assert r.state == State.PARTIALLY_SETTLED
     assert (r.captured, r.remaining, r.released) == (20, 30, 0)
     assert balances(t) == (0, 30, 100, 20, 1)
@@ -223,12 +232,12 @@ def test_cancel_after_dispatch_settles_consumed_and_keeps_rest_held(setup):
 def test_failure_with_proof_of_non_processing_releases_and_refunds(setup):
     cat, t, _ = setup
     r = dispatched(cat)
-    r = services.fail(
+    r = lifecycle.fail(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
         reason="connection refused",
-        request_sent=services.RequestSent.NO,
+        request_sent=lifecycle.RequestSent.NO,
         usage=None,
         now=now(),
     )
@@ -237,17 +246,17 @@ def test_failure_with_proof_of_non_processing_releases_and_refunds(setup):
     assert audit().ok
 
 
-@pytest.mark.parametrize("sent", [services.RequestSent.YES, services.RequestSent.UNKNOWN])
+@pytest.mark.parametrize("sent", [lifecycle.RequestSent.YES, lifecycle.RequestSent.UNKNOWN])
 def test_failure_without_proof_keeps_everything_held(setup, sent):
     cat, t, _ = setup
     r = dispatched(cat)
-    r = services.fail(
+    r = lifecycle.fail(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
         reason="timeout",
         request_sent=sent,
-        usage=services.Usage("fail-usage", 4, None, False),
+        usage=lifecycle.Usage("fail-usage", 4, None, False),
         now=now(),
     )
     assert r.state == State.PARTIALLY_SETTLED
@@ -258,12 +267,12 @@ def test_failure_without_proof_keeps_everything_held(setup, sent):
 def test_failure_before_dispatch_releases(setup):
     cat, t, _ = setup
     r = reserved(cat)
-    r = services.fail(
+    r = lifecycle.fail(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
         reason="gateway crashed",
-        request_sent=services.RequestSent.UNKNOWN,
+        request_sent=lifecycle.RequestSent.UNKNOWN,
         usage=None,
         now=now(),
     )
@@ -274,10 +283,10 @@ def test_failure_before_dispatch_releases(setup):
 def test_top_up_extends_and_is_idempotent(setup):
     cat, t, _ = setup
     r = dispatched(cat)
-    services.top_up(
+    lifecycle.top_up(
         reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="u1", output_tokens=30, now=now()
     )
-    r2, applied = services.top_up(
+    r2, applied = lifecycle.top_up(
         reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="u1", output_tokens=30, now=now()
     )
     assert not applied
@@ -291,8 +300,8 @@ def test_top_up_extends_and_is_idempotent(setup):
 def test_top_up_beyond_capacity_is_quota_exceeded(setup):
     cat, t, _ = setup
     r = dispatched(cat)
-    with pytest.raises(services.QuotaExceeded) as err:
-        services.top_up(
+    with pytest.raises(QuotaExceeded) as err:
+        lifecycle.top_up(
             reservation_id=r.pk,
             tenant_ids=_tids(cat),
             fence=1,
@@ -321,13 +330,13 @@ def test_forbidden_transitions_are_refused_and_change_nothing(setup, where, acti
     if where == "settled":
         usage(cat, r, "fin", 1, final=True)
     if where == "partial":
-        services.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
+        lifecycle.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
     before = (balances(t), LedgerEntry.objects.count())
-    with pytest.raises(services.InvalidTransition):
+    with pytest.raises(InvalidTransition):
         if action == "usage":
             usage(cat, r, "x", 1)
         elif action == "dispatch":
-            services.dispatch(
+            lifecycle.dispatch(
                 reservation_id=r.pk,
                 tenant_ids=_tids(cat),
                 fence=1,
@@ -336,7 +345,7 @@ def test_forbidden_transitions_are_refused_and_change_nothing(setup, where, acti
                 now=now(),
             )
         else:
-            services.top_up(
+            lifecycle.top_up(
                 reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="t", output_tokens=1, now=now()
             )
     assert (balances(t), LedgerEntry.objects.count()) == before
@@ -358,7 +367,7 @@ def test_idempotent_admission_sequential_and_concurrent(setup):
 def test_idempotency_conflict_on_other_digest_and_keys_scoped_per_tenant(setup):
     cat, _, _ = setup
     admit(spec(cat, key="k"))
-    with pytest.raises(services.IdempotencyConflict):
+    with pytest.raises(IdempotencyConflict):
         admit(spec(cat, key="k", digest="sha256:" + "c" * 64))
     other = catalog(tenant_slug="t-2")
     assert not admit(spec(other, key="k")).replayed
@@ -370,9 +379,9 @@ def test_queue_when_short_then_admitted_when_capacity_frees(setup):
     first = reserved(cat)
     queued = admit(spec(cat, queue=True)).reservation
     assert queued.state == State.PROPOSED
-    assert services.admit_queued(reservation_id=queued.pk, build_body=lambda r: {}, now=now()) is None
-    services.cancel(reservation_id=first.pk, tenant_ids=_tids(cat), fence=1, now=now())
-    admitted = services.admit_queued(reservation_id=queued.pk, build_body=lambda r: {}, now=now())
+    assert admission.admit_queued(reservation_id=queued.pk, build_body=lambda r: {}, now=now()) is None
+    lifecycle.cancel(reservation_id=first.pk, tenant_ids=_tids(cat), fence=1, now=now())
+    admitted = admission.admit_queued(reservation_id=queued.pk, build_body=lambda r: {}, now=now())
     assert admitted is not None and admitted.state == State.RESERVED
     assert balances(t)[4] == 1
     assert audit().ok
@@ -383,7 +392,7 @@ def test_queued_request_rejected_at_deadline(setup):
     CapacityAccount.objects.filter(pk=t.pk).update(concurrency_limit=0)
     queued = admit(spec(cat, queue=True)).reservation
     Reservation.objects.filter(pk=queued.pk).update(queue_deadline=now().replace(year=2020))
-    result = services.admit_queued(reservation_id=queued.pk, build_body=lambda r: {}, now=now())
+    result = admission.admit_queued(reservation_id=queued.pk, build_body=lambda r: {}, now=now())
     assert result is not None and result.state == State.REJECTED
 
 
@@ -407,7 +416,7 @@ def test_a_refund_after_the_period_rolled_over_stays_in_the_closed_period(setup)
     cat, t, p = setup
     r = reserved(cat)
     CapacityAccount.objects.filter(pk=t.pk).update(period_start=datetime(2020, 1, 1, tzinfo=UTC))
-    services.dispatch(
+    lifecycle.dispatch(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
@@ -415,14 +424,14 @@ def test_a_refund_after_the_period_rolled_over_stays_in_the_closed_period(setup)
         admitted_digest=r.admitted_digest,
         now=now(),
     )
-    assert services.roll_over(account_id=t.pk, now=now())
+    assert accounts.roll_over(account_id=t.pk, now=now())
     assert balances(t)[2] == 0, "the new period starts with nothing consumed"
-    r = services.fail(
+    r = lifecycle.fail(
         reservation_id=r.pk,
         tenant_ids=_tids(cat),
         fence=1,
         reason="connection refused",
-        request_sent=services.RequestSent.NO,
+        request_sent=lifecycle.RequestSent.NO,
         usage=None,
         now=now(),
     )
@@ -436,7 +445,7 @@ def test_a_top_up_is_not_refused_for_a_dimension_it_does_not_ask_for(setup):
     cat, t, _ = setup
     r = dispatched(cat)
     CapacityAccount.objects.filter(pk=t.pk).update(input_limit=1)  # finance lowered input below its use
-    r2, applied = services.top_up(
+    r2, applied = lifecycle.top_up(
         reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, top_up_id="t", output_tokens=10, now=now()
     )
     assert applied and r2.top_ups == 10
@@ -446,7 +455,7 @@ def test_input_is_reported_once_and_a_different_figure_is_refused(setup):
     cat, t, _ = setup
     r = dispatched(cat)
     usage(cat, r, "e1", 5, inp=90)
-    with pytest.raises(services.UsageEventConflict) as err:
+    with pytest.raises(UsageEventConflict) as err:
         usage(cat, r, "e2", 5, inp=0)
     assert err.value.code == "INPUT_ALREADY_REPORTED"
     r.refresh_from_db()
@@ -458,8 +467,8 @@ def test_a_provider_request_id_names_one_call(setup):
     cat, _, _ = setup
     first = dispatched(cat)
     second = reserved(cat)
-    with pytest.raises(services.Conflict) as err:
-        services.dispatch(
+    with pytest.raises(Conflict) as err:
+        lifecycle.dispatch(
             reservation_id=second.pk,
             tenant_ids=_tids(cat),
             fence=1,
@@ -478,7 +487,7 @@ def test_an_integrity_error_other_than_the_provider_id_is_not_disguised(setup):
     r = reserved(cat)
     CapacityAccount.objects.filter(pk=t.pk).update(input_reserved=0)  # a dispatch would now go negative
     with pytest.raises(IntegrityError):
-        services.dispatch(
+        lifecycle.dispatch(
             reservation_id=r.pk,
             tenant_ids=_tids(cat),
             fence=1,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from django.db import OperationalError
 
-from budgeting.api.problems import Unavailable
-from ledger import services
+from budgeting.api.problems import problem_headers, status_of
+from budgeting.catalog.errors import Unavailable
+from ledger.services import retries
 
 
 class _PgError(Exception):
@@ -30,20 +31,24 @@ def failing(times: int, sqlstate: str):
 @pytest.mark.parametrize("sqlstate", ["40P01", "40001"])
 def test_a_transient_conflict_is_retried(sqlstate):
     operation, calls = failing(2, sqlstate)
-    assert services.with_retries(operation) == "done"
+    assert retries.with_retries(operation) == "done"
     assert calls["n"] == 3
 
 
 def test_persistent_contention_is_503_with_retry_after():
     operation, calls = failing(99, "40P01")
     with pytest.raises(Unavailable) as err:
-        services.with_retries(operation)
-    assert (err.value.status, err.value.code, err.value.headers["Retry-After"]) == (503, "CONTENTION", "1")
-    assert calls["n"] == services.MAX_ATTEMPTS
+        retries.with_retries(operation)
+    assert (status_of(err.value), err.value.code, problem_headers(err.value)["Retry-After"]) == (
+        503,
+        "CONTENTION",
+        "1",
+    )
+    assert calls["n"] == retries.MAX_ATTEMPTS
 
 
 def test_other_database_errors_are_not_retried():
     operation, calls = failing(1, "08006")
     with pytest.raises(OperationalError):
-        services.with_retries(operation)
+        retries.with_retries(operation)
     assert calls["n"] == 1

@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from budgeting.api.problems import Conflict
-from ledger import services
+from budgeting.catalog.errors import Conflict
+from ledger.errors import InvalidTransition, QuotaExceeded, StaleFence, UsageEventConflict
 from ledger.models import CapacityAccount, Reservation
 from ledger.selectors import audit
+from ledger.services import lifecycle
 from tests.ledger.helpers import admit, catalog, now, pool_account, spec, tenant_account
 
 INPUT_LIMIT = 3000
@@ -74,7 +75,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def _call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs), None
-        except (services.InvalidTransition, services.QuotaExceeded, services.StaleFence, Conflict) as exc:
+        except (InvalidTransition, QuotaExceeded, StaleFence, Conflict) as exc:
             return None, exc
 
     # --- rules --------------------------------------------------------------------------------------------
@@ -110,7 +111,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         r = Reservation.objects.get(pk=rid)
         _, err = self._call(
-            services.dispatch,
+            lifecycle.dispatch,
             reservation_id=rid,
             tenant_ids=self.ids,
             fence=1,
@@ -124,7 +125,7 @@ class LedgerMachine(RuleBasedStateMachine):
         elif model.dispatched:
             assert err is None, "repeating the same dispatch is a no-op"
         else:
-            assert isinstance(err, services.InvalidTransition)
+            assert isinstance(err, InvalidTransition)
 
     @rule(rid=reservations, n=st.integers(0, 150), final=st.booleans(), event=st.integers(0, 3))
     def usage(self, rid, n, final, event):
@@ -133,21 +134,21 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         event_id = f"ev-{event}"
         _, err = self._call(
-            services.record_usage,
+            lifecycle.record_usage,
             reservation_id=rid,
             tenant_ids=self.ids,
             fence=1,
-            usage=services.Usage(event_id, n, None, final),
+            usage=lifecycle.Usage(event_id, n, None, final),
             now=now(),
         )
         if event_id in model.events:
             if model.events[event_id] == (n, final):
                 assert err is None, "an exact replay is a no-op"
             else:
-                assert isinstance(err, services.UsageEventConflict)
+                assert isinstance(err, UsageEventConflict)
             return
         if model.state not in {"DISPATCHED", "RUNNING", "PARTIALLY_SETTLED"}:
-            assert isinstance(err, services.InvalidTransition)
+            assert isinstance(err, InvalidTransition)
             return
         assert err is None
         model.events[event_id] = (n, final)
@@ -170,7 +171,7 @@ class LedgerMachine(RuleBasedStateMachine):
         top_up_id = f"t-{tid}"
         e = self.expected()
         _, err = self._call(
-            services.top_up,
+            lifecycle.top_up,
             reservation_id=rid,
             tenant_ids=self.ids,
             fence=1,
@@ -182,10 +183,10 @@ class LedgerMachine(RuleBasedStateMachine):
             assert (err is None) == (model.top_up_ids[top_up_id] == n)
             return
         if model.state not in {"RESERVED", "DISPATCHED", "RUNNING"}:
-            assert isinstance(err, services.InvalidTransition)
+            assert isinstance(err, InvalidTransition)
             return
         if e[1] + e[3] + n > OUTPUT_LIMIT:
-            assert isinstance(err, services.QuotaExceeded)
+            assert isinstance(err, QuotaExceeded)
             return
         assert err is None
         model.top_up_ids[top_up_id] = n
@@ -197,7 +198,7 @@ class LedgerMachine(RuleBasedStateMachine):
         model = self.models.get(rid)
         if model is None:
             return
-        _, err = self._call(services.cancel, reservation_id=rid, tenant_ids=self.ids, fence=1, now=now())
+        _, err = self._call(lifecycle.cancel, reservation_id=rid, tenant_ids=self.ids, fence=1, now=now())
         if model.state == "RESERVED":
             assert err is None
             model.released += model.remaining
@@ -208,7 +209,7 @@ class LedgerMachine(RuleBasedStateMachine):
         elif model.reason == "cancelled":
             assert err is None
         else:
-            assert isinstance(err, services.InvalidTransition)
+            assert isinstance(err, InvalidTransition)
 
     @rule(rid=reservations, sent=st.sampled_from(["yes", "no", "unknown"]))
     def fail(self, rid, sent):
@@ -216,7 +217,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if model is None:
             return
         _, err = self._call(
-            services.fail,
+            lifecycle.fail,
             reservation_id=rid,
             tenant_ids=self.ids,
             fence=1,
@@ -240,14 +241,14 @@ class LedgerMachine(RuleBasedStateMachine):
         elif model.reason in {"failed", "released"}:
             assert err is None
         else:
-            assert isinstance(err, services.InvalidTransition)
+            assert isinstance(err, InvalidTransition)
 
     @rule(rid=reservations)
     def stale_fence_write(self, rid):
         if rid not in self.models:
             return
-        _, err = self._call(services.cancel, reservation_id=rid, tenant_ids=self.ids, fence=2, now=now())
-        assert isinstance(err, services.StaleFence)
+        _, err = self._call(lifecycle.cancel, reservation_id=rid, tenant_ids=self.ids, fence=2, now=now())
+        assert isinstance(err, StaleFence)
 
     @rule(rid=consumes(reservations))
     def forget(self, rid):

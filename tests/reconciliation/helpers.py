@@ -6,8 +6,8 @@ import json
 import urllib.request
 from datetime import timedelta
 
-from ledger import services
 from ledger.models import Reservation
+from ledger.services import lifecycle
 from tests.ledger.helpers import admit, now, spec
 
 
@@ -17,7 +17,7 @@ def expire(reservation: Reservation) -> None:
 
 def dispatched(cat, provider_id: str | None = None) -> Reservation:
     r = admit(spec(cat, input_tokens=100, output_tokens=50)).reservation
-    return services.dispatch(
+    return lifecycle.dispatch(
         reservation_id=r.pk,
         tenant_ids=[cat.tenant.pk],
         fence=1,

@@ -8,9 +8,9 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from ledger import services
 from ledger.models import LedgerEntry, Outcome, Reservation, State
 from ledger.selectors import audit
+from ledger.services import lifecycle, settlement
 from reconciliation.billing import import_export
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
 from simulation.provider import Simulator
@@ -41,7 +41,7 @@ def frozen(cat, sim, max_tokens: int = 20) -> Reservation:
     call_provider(sim, r.provider_request_id, max_tokens=max_tokens)
     sim.script_lookup("unknown", count=1)
     expire(r)
-    services.claim_expired_leases(now=now())
+    settlement.claim_expired_leases(now=now())
     r.refresh_from_db()
     assert r.state == State.RECONCILING
     return r
@@ -134,11 +134,11 @@ def test_missing_and_extra_requests_are_reported(cat, sim):
     call_provider(sim, "stranger-1")
     # Missing: a call we dispatched and settled, inside the export's period, that the export does not contain.
     completed = dispatched(cat)
-    services.record_usage(
+    lifecycle.record_usage(
         reservation_id=completed.pk,
         tenant_ids=[cat.tenant.pk],
         fence=1,
-        usage=services.Usage("u", 10, 100, True),
+        usage=lifecycle.Usage("u", 10, 100, True),
         now=now(),
     )
     call_provider(sim, "stranger-2")
@@ -153,11 +153,11 @@ def test_bucket_records_are_compared_with_what_we_captured(cat, sim):
     r = dispatched(cat)
     call_provider(sim, r.provider_request_id, max_tokens=15)
     billed = sim.entry(r.provider_request_id)
-    services.record_usage(
+    lifecycle.record_usage(
         reservation_id=r.pk,
         tenant_ids=[cat.tenant.pk],
         fence=1,
-        usage=services.Usage("u", billed.completion_tokens - 3, billed.prompt_tokens, True),
+        usage=lifecycle.Usage("u", billed.completion_tokens - 3, billed.prompt_tokens, True),
         now=now(),
     )
     Reservation.objects.filter(pk=r.pk).update(dispatched_at=billed.started_at)
@@ -197,11 +197,11 @@ def test_a_bucket_drift_is_reported_once_until_it_changes(cat, sim):
     r = dispatched(cat)
     call_provider(sim, r.provider_request_id, max_tokens=15)
     billed = sim.entry(r.provider_request_id)
-    services.record_usage(
+    lifecycle.record_usage(
         reservation_id=r.pk,
         tenant_ids=[cat.tenant.pk],
         fence=1,
-        usage=services.Usage("u", billed.completion_tokens - 3, billed.prompt_tokens, True),
+        usage=lifecycle.Usage("u", billed.completion_tokens - 3, billed.prompt_tokens, True),
         now=now(),
     )
     Reservation.objects.filter(pk=r.pk).update(dispatched_at=billed.started_at)

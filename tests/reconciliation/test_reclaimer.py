@@ -6,9 +6,10 @@ from datetime import timedelta
 
 import pytest
 
-from ledger import services
+from ledger.errors import StaleFence
 from ledger.models import Outcome, Reservation, State
 from ledger.selectors import audit
+from ledger.services import lifecycle, settlement
 from reconciliation import reclaim as reconciliation
 from reconciliation.providers import SimulatorLookup
 from simulation.provider import Simulator
@@ -97,12 +98,12 @@ def test_unknown_outcome_is_frozen_in_reconciling_and_nothing_is_released(world,
     assert (r.state, r.fence) == (State.RECONCILING, 2)
     account.refresh_from_db()
     assert (account.input_consumed, account.output_reserved, account.in_flight) == (100, 50, 1)
-    with pytest.raises(services.StaleFence):
-        services.record_usage(
+    with pytest.raises(StaleFence):
+        lifecycle.record_usage(
             reservation_id=r.pk,
             tenant_ids=[cat.tenant.pk],
             fence=1,
-            usage=services.Usage("late", 5, None, True),
+            usage=lifecycle.Usage("late", 5, None, True),
             now=now(),
         )
     # A later lookup with the provider reachable again resolves it.
@@ -145,19 +146,23 @@ def test_a_frozen_lease_holder_resuming_after_takeover_is_refused_everywhere(wor
     reconciliation.reclaim_expired_leases(now=now(), lookup_for=lookup_for(sim))
     ids = [cat.tenant.pk]
     for call in (
-        lambda: services.record_usage(
-            reservation_id=r.pk, tenant_ids=ids, fence=1, usage=services.Usage("e", 5, None, False), now=now()
+        lambda: lifecycle.record_usage(
+            reservation_id=r.pk,
+            tenant_ids=ids,
+            fence=1,
+            usage=lifecycle.Usage("e", 5, None, False),
+            now=now(),
         ),
-        lambda: services.cancel(reservation_id=r.pk, tenant_ids=ids, fence=1, now=now()),
-        lambda: services.fail(
+        lambda: lifecycle.cancel(reservation_id=r.pk, tenant_ids=ids, fence=1, now=now()),
+        lambda: lifecycle.fail(
             reservation_id=r.pk, tenant_ids=ids, fence=1, reason="x", request_sent="no", usage=None, now=now()
         ),
-        lambda: services.renew_lease(reservation_id=r.pk, tenant_ids=ids, fence=1),
-        lambda: services.top_up(
+        lambda: lifecycle.renew_lease(reservation_id=r.pk, tenant_ids=ids, fence=1),
+        lambda: lifecycle.top_up(
             reservation_id=r.pk, tenant_ids=ids, fence=1, top_up_id="t", output_tokens=5, now=now()
         ),
     ):
-        with pytest.raises(services.StaleFence):
+        with pytest.raises(StaleFence):
             call()
     assert Reservation.objects.get(pk=r.pk).state == State.RECONCILING
 
@@ -167,12 +172,12 @@ def test_evidence_for_a_moved_fence_is_not_applied(world, sim):
     r = dispatched(cat)
     sim.script_lookup("unknown", count=3)
     expire(r)
-    _, claims = services.claim_expired_leases(now=now())
+    _, claims = settlement.claim_expired_leases(now=now())
     Reservation.objects.filter(pk=r.pk).update(fence=5)
-    result = services.settle_from_evidence(
+    result = settlement.settle_from_evidence(
         reservation_id=claims[0].reservation_id,
         fence=claims[0].fence,
-        evidence=services.Evidence("NOT_PROCESSED"),
+        evidence=settlement.Evidence("NOT_PROCESSED"),
         now=now(),
     )
     assert result is None

@@ -5,11 +5,11 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from budgeting.admin_services import Actor
-from budgeting.api.problems import Problem
+from budgeting.catalog.errors import DomainError
+from budgeting.catalog import policies as policy_services
+from budgeting.catalog.changes import Actor
 from budgeting.catalog.models import PolicyAlias, PolicyVersion
 from budgeting.catalog.selectors import ACTIVE_ALIAS
-from budgeting.catalog import policies as policy_services
 
 
 class Command(BaseCommand):
@@ -46,7 +46,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             getattr(self, f"do_{options['action']}")(options)
-        except Problem as exc:
+        except DomainError as exc:
             raise CommandError(f"{exc.code}: {exc.detail}") from None
 
     def do_list(self, options: dict[str, Any]) -> None:

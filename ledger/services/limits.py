@@ -1,107 +1,24 @@
-"""Write path of the admin: account limits, temporary increases, ledger corrections, token rotation, and the
-change log every privileged change lands in.
-
-Conventions are the ledger's (``ledger.services``): each use case owns its
-``transaction.atomic(durable=True)`` boundary, locks accounts through ``ledger.locks``, writes one ledger
-entry per balance change, and updates balances with ``F()`` expressions so a concurrent admission's
-conditional UPDATE is never overwritten by stale values from a form.
-"""
+"""People's changes to capacity accounts: limits (compare-and-swap on what was shown), temporary increases and
+compensating corrections, each in the change log."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from django.contrib.auth.models import AbstractBaseUser, AnonymousUser
-from django.core.serializers.json import DjangoJSONEncoder
-from django.db import models, transaction
+from django.db import transaction
 from django.db.models import F
-from django.forms.models import model_to_dict
 
-from budgeting.api.problems import Conflict, InvalidInput, NotFound
-from budgeting.catalog.models import (
-    ApiToken,
-    ChangeRecord,
-    ServiceClient,
-    TemporaryIncrease,
-    hash_token,
-    new_token_value,
-)
+from budgeting.catalog.changes import SYSTEM, Actor, record_change, require_reason, snapshot
+from budgeting.catalog.errors import InvalidChange, NotFound
+from budgeting.catalog.models import TemporaryIncrease
 from ledger import locks
+from ledger.errors import LimitsChanged
 from ledger.models import CapacityAccount, EntryKind, LedgerEntry
+from ledger.services.postings import post_to_account
 
 LIMIT_FIELDS = ("input_limit", "output_limit", "concurrency_limit")
 BALANCE_FIELDS = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")
-
-
-class LimitsChanged(Conflict):
-    code = "LIMITS_CHANGED"
-    title = "The account's limits changed since the page was loaded"
-
-
-class InvalidChange(InvalidInput):
-    code = "INVALID_CHANGE"
-    title = "The change is not allowed"
-
-
-@dataclass(frozen=True)
-class Actor:
-    """Who makes a change: a signed-in user, or the system (scheduled expiry)."""
-
-    user_id: int | None
-    username: str
-
-    @classmethod
-    def of(cls, user: AbstractBaseUser | AnonymousUser) -> Actor:
-        return cls(user_id=user.pk, username=user.get_username())
-
-
-SYSTEM = Actor(user_id=None, username="system")
-
-
-def snapshot(obj: models.Model, fields: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """A JSON-safe copy of a model's field values (dates as ISO strings, decimals as strings, related
-    objects as their primary keys)."""
-    data = model_to_dict(obj, fields=list(fields) if fields else None)
-    for name, value in data.items():
-        if isinstance(value, list | tuple):
-            data[name] = sorted(v.pk if isinstance(v, models.Model) else v for v in value)
-    return dict(json.loads(json.dumps(data, cls=DjangoJSONEncoder)))
-
-
-def record_change(
-    *,
-    actor: Actor,
-    action: str,
-    target: models.Model,
-    before: dict[str, Any] | None,
-    after: dict[str, Any] | None,
-    reason: str,
-) -> ChangeRecord:
-    """Append one entry to the change log. Call it inside the transaction that makes the change."""
-    return ChangeRecord.objects.create(
-        actor_id=actor.user_id,
-        actor_username=actor.username,
-        action=action,
-        target_type=target._meta.label_lower,
-        target_id=str(target.pk),
-        target_repr=str(target)[:200],
-        before=before,
-        after=after,
-        reason=reason,
-    )
-
-
-def _require_reason(reason: str) -> str:
-    reason = reason.strip()
-    if not reason:
-        raise InvalidChange("a reason is required for every privileged change")
-    return reason
-
-
-# --- limits -----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -171,7 +88,7 @@ def set_account_limits(
     ``expected`` are the limits the person saw when confirming; if they changed meanwhile (another admin, a
     temporary increase expiring) nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
     """
-    reason = _require_reason(reason)
+    reason = require_reason(reason)
     if any(v is not None and v < 0 for v in (input_limit, output_limit, concurrency_limit)):
         raise InvalidChange("limits cannot be negative")
     with transaction.atomic(durable=True):
@@ -210,9 +127,6 @@ def _lock(account_id: int) -> CapacityAccount:
         raise NotFound("no such capacity account") from None
 
 
-# --- temporary increases ------------------------------------------------------------------------------------
-
-
 def grant_temporary_increase(
     *,
     account_id: int,
@@ -229,7 +143,7 @@ def grant_temporary_increase(
     Raises InvalidChange for an empty or negative increase, an expiry in the past, or an increase of an
     unlimited dimension (there is nothing to raise); NotFound.
     """
-    reason = _require_reason(reason)
+    reason = require_reason(reason)
     amounts = {"input": input_tokens, "output": output_tokens, "concurrency": concurrency}
     if any(v < 0 for v in amounts.values()) or not any(amounts.values()):
         raise InvalidChange(
@@ -285,7 +199,7 @@ def end_temporary_increase(*, increase_id: int, reason: str, actor: Actor, now: 
     Returns False when it had already ended (safe to call twice, or from two workers at once). A limit edited
     below the increase meanwhile goes to zero rather than negative.
     """
-    reason = _require_reason(reason)
+    reason = require_reason(reason)
     account_id = TemporaryIncrease.objects.filter(pk=increase_id).values_list("account_id", flat=True).first()
     if account_id is None:
         raise NotFound("no such temporary increase")
@@ -334,9 +248,6 @@ def expire_temporary_increases(*, now: datetime) -> int:
     )
 
 
-# --- ledger corrections -------------------------------------------------------------------------------------
-
-
 def post_correction(
     *, account_id: int, input_consumed: int, output_consumed: int, reason: str, actor: Actor
 ) -> LedgerEntry:
@@ -347,7 +258,7 @@ def post_correction(
     reservations and are settled through their lifecycle. Raises InvalidChange (nothing to post, no reason,
     a balance would go negative), NotFound.
     """
-    reason = _require_reason(reason)
+    reason = require_reason(reason)
     if not input_consumed and not output_consumed:
         raise InvalidChange("a correction must change input or output consumed")
     with transaction.atomic(durable=True):
@@ -358,18 +269,14 @@ def post_correction(
                 f"output {account.output_consumed})"
             )
         before = snapshot(account, BALANCE_FIELDS)
-        CapacityAccount.objects.filter(pk=account.pk).update(
-            input_consumed=F("input_consumed") + input_consumed,
-            output_consumed=F("output_consumed") + output_consumed,
-        )
-        entry = LedgerEntry.objects.create(
-            account=account,
-            kind=EntryKind.CORRECTION,
+        entry = post_to_account(
+            account,
+            EntryKind.CORRECTION,
+            period_start=account.period_start,
+            reason=reason,
+            created_by=actor.username,
             input_consumed=input_consumed,
             output_consumed=output_consumed,
-            period_start=account.period_start,
-            reason=reason[:300],
-            created_by=actor.username,
         )
         account.refresh_from_db()
         record_change(
@@ -381,61 +288,3 @@ def post_correction(
             reason=reason,
         )
         return entry
-
-
-# --- service client tokens ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class IssuedToken:
-    """A new token: ``raw`` is shown once and never stored."""
-
-    token: ApiToken
-    raw: str
-    revoked: int
-
-
-def rotate_token(
-    *, client_id: int, revoke_current: bool, reason: str, actor: Actor, now: datetime
-) -> IssuedToken:
-    """Issue a new API token for a service client, revoking its current tokens now or leaving them for a
-    later revocation (so gateways can switch without downtime). Raises NotFound, InvalidChange."""
-    reason = _require_reason(reason)
-    with transaction.atomic(durable=True):
-        client = ServiceClient.objects.filter(pk=client_id).first()
-        if client is None:
-            raise NotFound("no such service client")
-        revoked = 0
-        if revoke_current:
-            revoked = ApiToken.objects.filter(client=client, revoked_at__isnull=True).update(revoked_at=now)
-        raw = new_token_value()
-        token = ApiToken.objects.create(client=client, token_hash=hash_token(raw), prefix=raw[:8])
-        record_change(
-            actor=actor,
-            action="client.token_rotate",
-            target=client,
-            before=None,
-            after={"newTokenPrefix": token.prefix, "revokedTokens": revoked},
-            reason=reason,
-        )
-        return IssuedToken(token=token, raw=raw, revoked=revoked)
-
-
-def revoke_token(*, token_id: int, reason: str, actor: Actor, now: datetime) -> bool:
-    """Revoke one API token; returns False when it was already revoked."""
-    reason = _require_reason(reason)
-    with transaction.atomic(durable=True):
-        token = ApiToken.objects.select_related("client").filter(pk=token_id).first()
-        if token is None:
-            raise NotFound("no such token")
-        if not ApiToken.objects.filter(pk=token_id, revoked_at__isnull=True).update(revoked_at=now):
-            return False
-        record_change(
-            actor=actor,
-            action="client.token_revoke",
-            target=token.client,
-            before={"tokenPrefix": token.prefix, "revoked": False},
-            after={"tokenPrefix": token.prefix, "revoked": True},
-            reason=reason,
-        )
-        return True

@@ -1,0 +1,177 @@
+"""Capacity accounts on the hot path: which apply to a request (cached per process), roll-over, shortages."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import datetime
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Q
+
+from budgeting.catalog.models import ModelPool, TaskClass, Tenant
+from ledger import locks
+from ledger.errors import (
+    QuotaExceeded,
+)
+from ledger.models import (
+    CapacityAccount,
+    EntryKind,
+    Period,
+    Scope,
+)
+from ledger.periods import period_start_for
+from ledger.services.postings import post_to_account
+
+logger = logging.getLogger(__name__)
+
+
+def _current_period_start(account: CapacityAccount, now: datetime) -> datetime:
+    return period_start_for(account.period, now)
+
+
+_ACCOUNTS: dict[tuple[int, int, int], tuple[float, list[CapacityAccount]]] = {}
+
+
+_ACCOUNTS_LOCK = threading.Lock()
+
+
+def applicable_accounts(
+    *, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
+) -> list[CapacityAccount]:
+    """The accounts a request for (tenant, task class, pool) holds on, in lock order.
+
+    Which accounts apply is cached per process for ACCOUNT_CACHE_SECONDS (limits and balances are always read
+    inside the reserving UPDATE, so only a newly provisioned account waits that long to take effect).
+    A tenant × task-class account that does not exist yet is created from the task class's defaults; many
+    threads doing it at once is safe (INSERT … ON CONFLICT DO NOTHING on the partial unique index).
+    """
+    key = (tenant.pk, task_class.pk, pool.pk)
+    with _ACCOUNTS_LOCK:
+        cached = _ACCOUNTS.get(key)
+    if cached is not None and cached[0] > time.monotonic():
+        accounts = cached[1]
+    else:
+        accounts = _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
+        with _ACCOUNTS_LOCK:
+            _ACCOUNTS[key] = (time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
+    if any(account.period_start < _current_period_start(account, now) for account in accounts):
+        for account in accounts:
+            roll_over(account_id=account.pk, now=now)
+        accounts = _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
+        with _ACCOUNTS_LOCK:
+            _ACCOUNTS[key] = (time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
+    return accounts
+
+
+def _load_accounts(
+    *, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
+) -> list[CapacityAccount]:
+    defaults = task_class.tenant_account_defaults
+    if (
+        defaults
+        and not CapacityAccount.objects.filter(
+            scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class
+        ).exists()
+    ):
+        period = defaults.get("period", Period.MONTH)
+        CapacityAccount.objects.bulk_create(
+            [
+                CapacityAccount(
+                    scope=Scope.TENANT_TASK,
+                    tenant=tenant,
+                    task_class=task_class,
+                    period=period,
+                    period_start=period_start_for(period, now),
+                    input_limit=defaults.get("inputLimit"),
+                    output_limit=defaults.get("outputLimit"),
+                    concurrency_limit=defaults.get("concurrencyLimit"),
+                )
+            ],
+            ignore_conflicts=True,
+        )
+    accounts = CapacityAccount.objects.filter(
+        Q(scope=Scope.TENANT, tenant=tenant)
+        | Q(scope=Scope.TENANT_TASK, tenant=tenant, task_class=task_class)
+        | Q(scope=Scope.POOL, pool=pool)
+    ).select_related("tenant", "task_class", "pool")
+    return sorted(accounts, key=lambda a: a.pk)
+
+
+def forget_account_cache() -> None:
+    """Drop the cached account lists (after provisioning or when an account is created or removed)."""
+    with _ACCOUNTS_LOCK:
+        _ACCOUNTS.clear()
+
+
+def roll_over(*, account_id: int, now: datetime) -> bool:
+    """Start a new quota period: consumed balances go back to zero through a ROLLOVER entry.
+
+    Outstanding holds (reserved, in flight) carry over. Idempotent: returns False when already rolled.
+    """
+    with transaction.atomic(durable=not connection.in_atomic_block):
+        account = locks.lock_account(account_id)
+        start = _current_period_start(account, now)
+        if account.period_start >= start:
+            return False
+        post_to_account(
+            account,
+            EntryKind.ROLLOVER,
+            period_start=start,
+            reason=f"period {account.period_start:%Y-%m-%d} closed",
+            input_consumed=-account.input_consumed,
+            output_consumed=-account.output_consumed,
+        )
+        CapacityAccount.objects.filter(pk=account.pk).update(period_start=start)
+        return True
+
+
+def shortage(
+    account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
+) -> QuotaExceeded:
+    fresh = CapacityAccount.objects.get(pk=account.pk)
+    checks = [
+        ("input", fresh.input_limit, fresh.input_reserved + fresh.input_consumed, input_tokens),
+        ("output", fresh.output_limit, fresh.output_reserved + fresh.output_consumed, output_tokens),
+        ("concurrency", fresh.concurrency_limit, fresh.in_flight, concurrency),
+    ]
+    short = next(
+        (
+            (dim, limit, used, requested)
+            for dim, limit, used, requested in checks
+            if limit is not None and requested and used + requested > limit
+        ),
+        None,
+    )
+    if short is None:
+        # The balance moved between the refused UPDATE and this read: say so rather than name a dimension.
+        dimension, requested, available = "contended", input_tokens + output_tokens, 0
+    else:
+        dimension, limit, used, requested = short
+        available = max((limit or 0) - used, 0)
+    retry_after = 1 if dimension in {"concurrency", "contended"} else 60
+    return QuotaExceeded(
+        f"{fresh.label}: {dimension} needs {requested}, {available} available",
+        retry_after=retry_after,
+        account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
+        dimension=dimension,
+        requested=requested,
+        available=available,
+    )
+
+
+class ShortageSignal(Exception):
+    def __init__(self, account: CapacityAccount) -> None:
+        super().__init__(account.pk)
+        self.account = account
+
+
+def roll_over_due(*, now: datetime) -> int:
+    """Roll every account whose period has ended (a beat task); returns how many this call rolled."""
+    rolled = 0
+    for account in CapacityAccount.objects.all():
+        if account.period_start < _current_period_start(account, now):
+            rolled += int(roll_over(account_id=account.pk, now=now))
+    return rolled

@@ -1,0 +1,258 @@
+"""Reserving capacity for an admission in one transaction, queueing when short, admitting the queue."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from ledger import locks
+from ledger.errors import (
+    IdempotencyConflict,
+    QuotaExceeded,
+)
+from ledger.models import (
+    EntryKind,
+    Hold,
+    Reservation,
+    State,
+)
+from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
+from ledger.services.postings import write_entries
+from ledger.services.retries import with_retries
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdmissionSpec:
+    tenant: Tenant
+    task_class: TaskClass
+    pool: ModelPool
+    model_revision: ModelRevision
+    request_id: str
+    idempotency_key: str
+    rendered_digest: str
+    admitted_digest: str
+    input_tokens: int
+    output_tokens: int
+    policy_revision: int | None
+    rung: str
+    manifest_id: int | None
+    minimum_evidence_ids: tuple[str, ...] = ()
+    queue: bool = False
+    queue_deadline_seconds: int = 60
+    request_body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    reservation: Reservation
+    replayed: bool
+
+
+def find_by_idempotency_key(
+    *, tenant: Tenant, idempotency_key: str, rendered_digest: str
+) -> Reservation | None:
+    """The earlier reservation for this key, or None. Raises IdempotencyConflict if its digest differs."""
+    existing = Reservation.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
+    if existing is None:
+        return None
+    if existing.rendered_digest != rendered_digest:
+        raise IdempotencyConflict(
+            "the same Idempotency-Key was used with a different rendered payload",
+            reservationId=str(existing.pk),
+        )
+    return existing
+
+
+def _new_reservation(spec: AdmissionSpec, state: str, **fields: Any) -> Reservation:
+    return Reservation(
+        id=uuid.uuid4(),
+        tenant=spec.tenant,
+        task_class=spec.task_class,
+        model_pool=spec.pool,
+        model_revision=spec.model_revision,
+        request_id=spec.request_id,
+        idempotency_key=spec.idempotency_key,
+        rendered_digest=spec.rendered_digest,
+        admitted_digest=spec.admitted_digest,
+        manifest_id=spec.manifest_id,
+        policy_revision=spec.policy_revision,
+        rung=spec.rung,
+        mode=RolloutMode.ENFORCE,
+        state=state,
+        input_reserved=spec.input_tokens,
+        output_reserved=spec.output_tokens,
+        remaining=spec.output_tokens,
+        minimum_evidence_ids=list(spec.minimum_evidence_ids),
+        **fields,
+    )
+
+
+def _replay_of(spec: AdmissionSpec, error: IntegrityError) -> Admitted:
+    """After an insert was refused: the earlier reservation for this key (or its conflict); any other
+    integrity error is raised again."""
+    earlier = find_by_idempotency_key(
+        tenant=spec.tenant, idempotency_key=spec.idempotency_key, rendered_digest=spec.rendered_digest
+    )
+    if earlier is None:
+        raise error
+    return Admitted(earlier, replayed=True)
+
+
+def reserve(
+    *, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
+) -> Admitted:
+    """Hold input, output and one concurrency slot on every applicable account in one transaction.
+
+    Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
+    queues, or the earlier reservation for the same idempotency key (replayed=True).
+    Raises QuotaExceeded (nothing written), IdempotencyConflict, or Unavailable after repeated contention.
+    """
+    # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
+    # common path of a new key one query shorter.
+    accounts = applicable_accounts(tenant=spec.tenant, task_class=spec.task_class, pool=spec.pool, now=now)
+
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            db_now = locks.db_now()
+            assert isinstance(db_now, datetime)
+            reservation = _new_reservation(
+                spec,
+                State.RESERVED,
+                concurrency_held=True,
+                lease_expires_at=db_now + timedelta(seconds=settings.LEASE_SECONDS),
+            )
+            reservation.response_body = build_body(reservation)
+            # The insert comes first: a concurrent retry of the same key waits here on the unique index and
+            # then fails, before it touches any account.
+            reservation.save(force_insert=True)
+            # Inserts first, then the hot rows: the account locks are held only from the one UPDATE below
+            # to COMMIT, with no Python work in between.
+            Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
+            write_entries(
+                reservation,
+                accounts,
+                EntryKind.HOLD,
+                input_reserved=spec.input_tokens,
+                output_reserved=spec.output_tokens,
+                in_flight=1,
+            )
+            short = locks.reserve_on_accounts(
+                [a.pk for a in accounts],
+                input_tokens=spec.input_tokens,
+                output_tokens=spec.output_tokens,
+                concurrency=1,
+            )
+            if short is not None:
+                raise ShortageSignal(next(a for a in accounts if a.pk == short))
+            return reservation
+
+    try:
+        return Admitted(with_retries(attempt), replayed=False)
+    except IntegrityError as error:
+        return _replay_of(spec, error)
+    except ShortageSignal as signal:
+        problem = shortage(
+            signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
+        )
+        if spec.queue:
+            return _enqueue(spec, build_body, problem)
+        raise problem from None
+
+
+def _enqueue(
+    spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], problem: QuotaExceeded
+) -> Admitted:
+    try:
+        with transaction.atomic(durable=True):
+            db_now = locks.db_now()
+            assert isinstance(db_now, datetime)
+            reservation = _new_reservation(
+                spec,
+                State.PROPOSED,
+                queue_deadline=db_now + timedelta(seconds=spec.queue_deadline_seconds),
+                request_body=spec.request_body,
+                failure_reason=problem.detail,
+            )
+            reservation.response_body = build_body(reservation)
+            reservation.save(force_insert=True)
+            return Admitted(reservation, replayed=False)
+    except IntegrityError as error:
+        return _replay_of(spec, error)
+
+
+def admit_queued(
+    *, reservation_id: uuid.UUID, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
+) -> Reservation | None:
+    """Try to admit one queued reservation: RESERVED if capacity is there now, REJECTED past its deadline.
+
+    Returns the reservation when its state changed, None when it stays queued (or is not queued any more).
+    Safe to run concurrently: the row lock and the state guard decide, so a request is admitted at most once.
+    """
+    proposed = (
+        Reservation.objects.filter(pk=reservation_id, state=State.PROPOSED)
+        .select_related("tenant", "task_class", "model_pool")
+        .first()
+    )
+    if proposed is None:
+        return None
+    accounts = applicable_accounts(
+        tenant=proposed.tenant, task_class=proposed.task_class, pool=proposed.model_pool, now=now
+    )
+    with transaction.atomic(durable=True):
+        reservation = locks.lock_reservation(reservation_id)
+        if reservation is None or reservation.state != State.PROPOSED:
+            return None
+        db_now = locks.db_now()
+        assert isinstance(db_now, datetime)
+        if reservation.queue_deadline is not None and reservation.queue_deadline <= db_now:
+            reservation.reject_queued("queue deadline passed")
+            reservation.response_body = build_body(reservation)
+            reservation.save()
+            return reservation
+        # The one UPDATE may have held on the other accounts when one is short: undo exactly that.
+        savepoint = transaction.savepoint()
+        short = locks.reserve_on_accounts(
+            [a.pk for a in accounts],
+            input_tokens=reservation.input_reserved,
+            output_tokens=reservation.output_reserved,
+            concurrency=1,
+        )
+        if short is not None:
+            transaction.savepoint_rollback(savepoint)
+            return None
+        transaction.savepoint_commit(savepoint)
+        reservation.admit_from_queue()
+        reservation.concurrency_held = True
+        reservation.failure_reason = ""
+        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
+        reservation.response_body = build_body(reservation)
+        reservation.save()
+        Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
+        write_entries(
+            reservation,
+            accounts,
+            EntryKind.HOLD,
+            input_reserved=reservation.input_reserved,
+            output_reserved=reservation.output_reserved,
+            in_flight=1,
+        )
+        return reservation
+
+
+def queue_position(reservation: Reservation) -> int:
+    return Reservation.objects.filter(
+        state=State.PROPOSED,
+        tenant=reservation.tenant,
+        task_class=reservation.task_class,
+        created_at__lte=reservation.created_at,
+    ).count()

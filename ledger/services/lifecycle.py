@@ -1,0 +1,357 @@
+"""The gateway's calls on a reservation: dispatch, usage, top-up, cancel, fail, lease, outcome."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from budgeting.catalog.errors import Conflict, NotFound
+from ledger import locks
+from ledger.errors import (
+    InvalidTransition,
+    PayloadChanged,
+    StaleFence,
+    UsageEventConflict,
+)
+from ledger.models import (
+    CapacityAccount,
+    EntryKind,
+    Reservation,
+    State,
+    TopUp,
+    UsageEvent,
+)
+from ledger.services.accounts import ShortageSignal, shortage
+from ledger.services.postings import apply, capture, held_account_ids, settle, write_entries
+from ledger.services.retries import with_retries
+
+logger = logging.getLogger(__name__)
+
+
+class RequestSent:
+    YES = "yes"
+    NO = "no"
+    UNKNOWN = "unknown"
+
+
+def _locked(reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
+    reservation = locks.lock_reservation(reservation_id, tenant_ids)
+    if reservation is None:
+        raise NotFound("no such reservation")
+    if fence != reservation.fence:
+        raise StaleFence(
+            f"fence {fence} is {'older than' if fence < reservation.fence else 'not'} the current fence",
+            currentFence=reservation.fence,
+        )
+    return reservation
+
+
+def _refuse(reservation: Reservation, action: str) -> InvalidTransition:
+    return InvalidTransition(
+        f"cannot {action} a reservation in state {reservation.state}",
+        state=reservation.state,
+        outcome=reservation.outcome or None,
+    )
+
+
+def dispatch(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    provider_request_id: str,
+    admitted_digest: str,
+    now: datetime,
+) -> Reservation:
+    """Record the dispatch (before the provider call): input is posted as consumed.
+
+    Repeating the same dispatch is a no-op. Raises PayloadChanged for another digest, StaleFence,
+    InvalidTransition, NotFound.
+    """
+
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            if admitted_digest != reservation.admitted_digest:
+                raise PayloadChanged(
+                    "admittedDigest differs from the admitted payload's digest",
+                    expected=reservation.admitted_digest,
+                )
+            if reservation.state != State.RESERVED:
+                if reservation.provider_request_id == provider_request_id and reservation.dispatched_at:
+                    return reservation
+                raise _refuse(reservation, "dispatch")
+            reservation.dispatch(provider_request_id)
+            reservation.dispatched_at = now
+            reservation.save()
+            n = reservation.input_reserved
+            apply(
+                reservation,
+                held_account_ids(reservation),
+                EntryKind.POST,
+                input_reserved=-n,
+                input_consumed=n,
+                reason="dispatched",
+            )
+            return reservation
+
+    try:
+        return with_retries(attempt)
+    except IntegrityError as error:
+        constraint = getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
+        if constraint != "reservation_unique_provider_request_id":
+            raise
+        raise Conflict(
+            f"providerRequestId {provider_request_id!r} already names another call",
+            code="PROVIDER_REQUEST_ID_IN_USE",
+        ) from None
+
+
+@dataclass(frozen=True)
+class Usage:
+    usage_event_id: str
+    output_tokens: int
+    input_tokens: int | None
+    final: bool
+
+
+def record_usage(
+    *, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, usage: Usage, now: datetime
+) -> tuple[Reservation, bool]:
+    """Capture one usage delta, idempotent by usageEventId; a final event settles (COMPLETED).
+
+    Returns (reservation, applied); applied is False for an exact replay. Raises UsageEventConflict,
+    StaleFence, InvalidTransition, NotFound.
+    """
+
+    def attempt() -> tuple[Reservation, bool]:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            earlier = UsageEvent.objects.filter(
+                reservation=reservation, usage_event_id=usage.usage_event_id
+            ).first()
+            if earlier is not None:
+                if (earlier.output_tokens, earlier.input_tokens, earlier.final) != (
+                    usage.output_tokens,
+                    usage.input_tokens,
+                    usage.final,
+                ):
+                    raise UsageEventConflict(
+                        f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                        recorded={
+                            "outputTokens": earlier.output_tokens,
+                            "inputTokens": earlier.input_tokens,
+                            "final": earlier.final,
+                        },
+                    )
+                return reservation, False
+            if reservation.state not in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}:
+                raise _refuse(reservation, "record usage on")
+            account_ids = held_account_ids(reservation)
+            capture(
+                reservation,
+                account_ids,
+                usage_event_id=usage.usage_event_id,
+                output_tokens=usage.output_tokens,
+                input_tokens=usage.input_tokens,
+                final=usage.final,
+            )
+            if usage.final:
+                settle(reservation, reservation.complete, account_ids, reason="final usage", now=now)
+            elif reservation.state == State.DISPATCHED:
+                reservation.start_running()
+            reservation.save()
+            return reservation, True
+
+    return with_retries(attempt)
+
+
+def top_up(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    top_up_id: str,
+    output_tokens: int,
+    now: datetime,
+) -> tuple[Reservation, bool]:
+    """Extend the output hold; idempotent by topUpId. Raises QuotaExceeded when an account is short."""
+
+    def attempt() -> tuple[Reservation, bool]:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            earlier = TopUp.objects.filter(reservation=reservation, top_up_id=top_up_id).first()
+            if earlier is not None:
+                if earlier.output_tokens != output_tokens:
+                    raise Conflict(
+                        f"topUpId {top_up_id!r} was recorded with another amount",
+                        code="TOP_UP_CONFLICT",
+                        recorded=earlier.output_tokens,
+                    )
+                return reservation, False
+            if reservation.state not in {State.RESERVED, State.DISPATCHED, State.RUNNING}:
+                raise _refuse(reservation, "top up")
+            accounts = list(
+                CapacityAccount.objects.filter(pk__in=held_account_ids(reservation)).order_by("pk")
+            )
+            short = locks.reserve_on_accounts(
+                [a.pk for a in accounts], input_tokens=0, output_tokens=output_tokens, concurrency=0
+            )
+            if short is not None:
+                raise ShortageSignal(next(a for a in accounts if a.pk == short))
+            write_entries(reservation, accounts, EntryKind.TOP_UP, output_reserved=output_tokens)
+            TopUp.objects.create(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens)
+            reservation.top_ups += output_tokens
+            reservation.remaining += output_tokens
+            reservation.save()
+            return reservation, True
+
+    try:
+        return with_retries(attempt)
+    except ShortageSignal as signal:
+        raise shortage(signal.account, input_tokens=0, output_tokens=output_tokens, concurrency=0) from None
+
+
+def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, now: datetime) -> Reservation:
+    """Before dispatch: release everything. After: settle what was consumed, keep the rest held."""
+
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            account_ids = held_account_ids(reservation)
+            if reservation.state == State.RESERVED:
+                settle(
+                    reservation,
+                    reservation.release_undispatched,
+                    account_ids,
+                    reason="cancelled before dispatch",
+                    now=now,
+                    release_input=reservation.input_reserved,
+                )
+                reservation.failure_reason = "cancelled"
+            elif reservation.state in {State.DISPATCHED, State.RUNNING}:
+                reservation.settle_partially("cancelled after dispatch")
+            elif reservation.state == State.PROPOSED:
+                reservation.reject_queued("cancelled while queued")
+            elif reservation.failure_reason.startswith("cancelled"):
+                return reservation
+            else:
+                raise _refuse(reservation, "cancel")
+            reservation.save()
+            return reservation
+
+    return with_retries(attempt)
+
+
+def fail(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    reason: str,
+    request_sent: str,
+    usage: Usage | None,
+    now: datetime,
+) -> Reservation:
+    """A provider call failed. Proof of non-processing releases in full; otherwise settle what was incurred.
+
+    ``request_sent`` is RequestSent.NO only with proof (connection refused before any byte was sent).
+    """
+
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenant_ids, fence)
+            account_ids = held_account_ids(reservation)
+            if reservation.state == State.RESERVED:
+                settle(
+                    reservation,
+                    reservation.release_undispatched,
+                    account_ids,
+                    reason=f"failed before dispatch: {reason}",
+                    now=now,
+                    release_input=reservation.input_reserved,
+                )
+                reservation.failure_reason = f"failed before dispatch: {reason}"
+            elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
+                settle(
+                    reservation,
+                    reservation.release_unprocessed,
+                    account_ids,
+                    reason=f"never processed: {reason}",
+                    now=now,
+                    refund_input=reservation.input_consumed,
+                )
+                reservation.failure_reason = f"never processed: {reason}"
+            elif reservation.state in {State.DISPATCHED, State.RUNNING}:
+                earlier = None
+                if usage is not None:
+                    earlier = UsageEvent.objects.filter(
+                        reservation=reservation, usage_event_id=usage.usage_event_id
+                    ).first()
+                    if earlier is not None and (earlier.output_tokens, earlier.input_tokens) != (
+                        usage.output_tokens,
+                        usage.input_tokens,
+                    ):
+                        raise UsageEventConflict(
+                            f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                            recorded={
+                                "outputTokens": earlier.output_tokens,
+                                "inputTokens": earlier.input_tokens,
+                            },
+                        )
+                if usage is not None and earlier is None:
+                    capture(
+                        reservation,
+                        account_ids,
+                        usage_event_id=usage.usage_event_id,
+                        output_tokens=usage.output_tokens,
+                        input_tokens=usage.input_tokens,
+                        final=False,
+                    )
+                reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
+            elif reservation.state in {
+                State.PARTIALLY_SETTLED,
+                State.SETTLED,
+            } and reservation.failure_reason.startswith(("failed", "never processed")):
+                return reservation
+            else:
+                raise _refuse(reservation, "fail")
+            reservation.save()
+            return reservation
+
+    return with_retries(attempt)
+
+
+def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
+    """Push the lease expiry out by LEASE_SECONDS from the database clock."""
+    with transaction.atomic(durable=True):
+        reservation = _locked(reservation_id, tenant_ids, fence)
+        if reservation.state in {State.SETTLED, State.REJECTED, State.RECONCILING, State.PROPOSED}:
+            raise _refuse(reservation, "renew the lease of")
+        db_now = locks.db_now()
+        assert isinstance(db_now, datetime)
+        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
+        reservation.save(update_fields=["lease_expires_at", "updated_at"])
+        return reservation
+
+
+def record_outcome(
+    *, reservation_id: uuid.UUID, tenant_ids: Iterable[int], task_success: bool, cited_evidence_ids: list[str]
+) -> Reservation:
+    """Store the caller's quality report for the metrics (success, evidence cited)."""
+    with transaction.atomic(durable=True):
+        reservation = locks.lock_reservation(reservation_id, tenant_ids)
+        if reservation is None:
+            raise NotFound("no such reservation")
+        if reservation.state in {State.PROPOSED, State.REJECTED}:
+            raise _refuse(reservation, "report an outcome for")
+        reservation.task_success = task_success
+        reservation.cited_evidence_ids = cited_evidence_ids
+        reservation.save(update_fields=["task_success", "cited_evidence_ids", "updated_at"])
+        return reservation

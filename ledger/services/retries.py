@@ -1,0 +1,42 @@
+"""Retrying a ledger transaction on deadlocks and serialization failures, a bounded number of times."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from django.db import OperationalError
+
+from ledger.errors import (
+    Contention,
+)
+
+logger = logging.getLogger(__name__)
+
+
+logger = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+
+MAX_ATTEMPTS = 4
+
+
+def with_retries(operation: Callable[[], T]) -> T:
+    """Run a transaction, retrying deadlocks and serialization failures a bounded number of times.
+
+    Raises Unavailable (503 with Retry-After) when every attempt failed that way.
+    """
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        try:
+            return operation()
+        except OperationalError as exc:
+            sqlstate = getattr(getattr(exc, "__cause__", None), "sqlstate", None)
+            if sqlstate not in {"40P01", "40001"}:
+                raise
+            logger.warning("retrying after %s (attempt %d)", sqlstate, attempt)
+            time.sleep(0.005 * attempt)
+    raise Contention("database contention; retry")
