@@ -8,7 +8,8 @@ surrogates and NUL characters in strings or keys.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
 from django.conf import settings
@@ -18,6 +19,9 @@ from budgeting.api.problems import Problem
 
 MAX_DEPTH = 64
 MAX_SAFE_INTEGER = 2**53 - 1
+SAFE_INTEGER_DIGITS = len(str(MAX_SAFE_INTEGER))
+# A \u escape of NUL or of a surrogate (paired or not); raw UTF-8 can hold neither.
+_SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 
 
 class BadJSON(Problem):
@@ -31,8 +35,8 @@ def _reject_constant(name: str) -> Any:
 
 
 def _parse_int(text: str) -> int:
-    value = int(text)
-    if abs(value) > MAX_SAFE_INTEGER:
+    # Decided on the digits before int() runs: int() refuses more than 4,300 digits (a ValueError, not ours).
+    if len(text.lstrip("-")) > SAFE_INTEGER_DIGITS or abs(value := int(text)) > MAX_SAFE_INTEGER:
         raise BadJSON(f"integer {text[:24]} is outside ±2^53", code="INTEGER_OUT_OF_RANGE")
     return value
 
@@ -44,6 +48,17 @@ def _parse_float(text: str) -> float:
     return value
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BadJSON(f"duplicate key {key!r}", code="DUPLICATE_KEY")
+            seen.add(key)
+    return result
+
+
 def _check_string(value: str) -> None:
     if "\x00" in value:
         raise BadJSON("NUL characters are not allowed in strings", code="INVALID_STRING")
@@ -53,52 +68,33 @@ def _check_string(value: str) -> None:
         raise BadJSON("lone surrogates are not allowed in strings", code="INVALID_STRING") from None
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        _check_string(key)
-        if key in result:
-            raise BadJSON(f"duplicate key {key!r}", code="DUPLICATE_KEY")
-        if isinstance(value, str):
-            _check_string(value)
-        elif isinstance(value, list):
-            _check_list(value)
-        result[key] = value
-    return result
-
-
-def _check_list(values: list[Any]) -> None:
-    for item in values:
-        if isinstance(item, str):
-            _check_string(item)
-
-
-def _depth_ok(text: str) -> bool:
-    """Bracket depth outside strings, counted without recursion (json.loads would hit RecursionError)."""
-    depth = 0
-    in_string = False
-    escaped = False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > MAX_DEPTH:
-                return False
-        elif char in "]}":
-            depth -= 1
-    return True
+def _walk(value: Any, *, check_strings: bool) -> None:
+    """Depth of the parsed document (and, when the body may hold them, NUL or lone surrogates in its strings
+    and keys), without recursion: one step per container or string, not per character."""
+    followed = (dict, list, str) if check_strings else (dict, list)
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_string(node)
+            continue
+        if isinstance(node, dict | list) and depth > MAX_DEPTH:
+            raise BadJSON(f"nesting deeper than {MAX_DEPTH}", code="NESTING_TOO_DEEP")
+        if isinstance(node, dict):
+            if check_strings:
+                stack.extend((key, depth) for key in node)
+            node = node.values()
+        if isinstance(node, Iterable):
+            stack.extend((child, depth + 1) for child in node if isinstance(child, followed))
 
 
 def loads_strict(raw: bytes) -> Any:
-    """Parse a JSON document strictly. Raises BadJSON (a Problem) on anything refused."""
+    """Parse a JSON document strictly. Raises BadJSON on anything refused.
+
+    The C scanner of ``json`` does the parsing; Python runs once per object (duplicate keys) and per number,
+    and the depth walk once per container. Strings are checked one by one only when the raw body holds an
+    escape that could encode a NUL or a surrogate (a regular expression over the bytes decides).
+    """
     if len(raw) > settings.MAX_REQUEST_BYTES:
         raise BadJSON(f"body exceeds {settings.MAX_REQUEST_BYTES} bytes", status=413, code="BODY_TOO_LARGE")
     try:
@@ -107,8 +103,6 @@ def loads_strict(raw: bytes) -> Any:
         raise BadJSON("body is not UTF-8", code="MALFORMED_JSON") from None
     if not text.strip():
         raise BadJSON("empty body", code="MALFORMED_JSON")
-    if not _depth_ok(text):
-        raise BadJSON(f"nesting deeper than {MAX_DEPTH}", code="NESTING_TOO_DEEP")
     try:
         value = json.loads(
             text,
@@ -119,10 +113,9 @@ def loads_strict(raw: bytes) -> Any:
         )
     except json.JSONDecodeError as exc:
         raise BadJSON(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    if isinstance(value, str):
-        _check_string(value)
-    elif isinstance(value, list):
-        _check_list(value)
+    except RecursionError:
+        raise BadJSON(f"nesting deeper than {MAX_DEPTH}", code="NESTING_TOO_DEEP") from None
+    _walk(value, check_strings=_SUSPECT_ESCAPE.search(raw) is not None)
     return value
 
 

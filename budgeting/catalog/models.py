@@ -8,6 +8,11 @@ import secrets
 from django.db import models
 from django.db.models import Q
 
+CAPABILITIES = {"tools", "json_schema", "vision"}
+"""What a model revision may declare it supports."""
+TEMPLATE_FAMILIES = {"deepseek", "meta"}
+"""The chat-template families ``ladder.templates`` renders."""
+
 
 class RolloutMode(models.TextChoices):
     SHADOW = "SHADOW", "Shadow (decide and record, hold nothing)"

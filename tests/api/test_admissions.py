@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 from budgeting.admission.models import Manifest
 from budgeting.admission.orchestrator import in_ramp
 from budgeting.catalog.models import Tenant, Tokenizer
-from budgeting.catalog.provisioning import apply_config, load_file
+from budgeting.provisioning.apply import apply_config, load_file
 from ladder.templates import Special, Text
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope, State
 
@@ -26,7 +26,7 @@ TOKEN = "tb_demo_gateway_eu_0000000000000000"
 
 @pytest.fixture
 def api(redis_db):
-    from budgeting.catalog.policy_documents import validate_policy_document
+    from budgeting.provisioning.policy_documents import validate_policy_document
 
     apply_config(load_file(DEMO), validate_policy=validate_policy_document)
     client = APIClient()
@@ -113,7 +113,8 @@ def whole_stream_count(tokenizer_file: str, pieces: Any) -> int:
 def test_count_is_exact_for_both_real_tokenizers(api, pool, model, tenant):
     from budgeting.catalog.models import ModelRevision
     from budgeting.catalog.selectors import model_spec
-    from ladder.components import Limits, parse_components
+    from ladder.components import Limits
+    from ladder.parser import parse_components
     from ladder.templates import get_template
 
     body = request_body(modelPool=pool, modelRevision=model, tenantId=tenant)

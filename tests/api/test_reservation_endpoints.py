@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from budgeting.api.parsers import loads_strict
 from ledger.models import LedgerEntry, Reservation, State, UsageEvent
 from tests.factories import ServiceClientFactory, issue_token
 from tests.ledger.helpers import admit, catalog, spec, tenant_account
@@ -174,6 +175,27 @@ BAD_USAGE = [
         "INVALID_STRING",
     ),
     ("deep nesting", '{"fence": 1, "x": ' + "[" * 100 + "]" * 100 + "}", 400, "NESTING_TOO_DEEP"),
+    ("nesting at 65", '{"fence": 1, "x": ' + "[" * 64 + "]" * 64 + "}", 400, "NESTING_TOO_DEEP"),
+    ("nesting past recursion", '{"x": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, "NESTING_TOO_DEEP"),
+    ("deep objects", '{"fence": 1, "x": ' + '{"a": ' * 70 + "1" + "}" * 70 + "}", 400, "NESTING_TOO_DEEP"),
+    (
+        "5,000-digit integer",
+        '{"fence": ' + "9" * 5000 + ', "usageEventId": "e", "outputTokens": 1, "final": false}',
+        400,
+        "INTEGER_OUT_OF_RANGE",
+    ),
+    (
+        "negative 5,000-digit integer",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": -' + "9" * 5000 + ', "final": false}',
+        400,
+        "INTEGER_OUT_OF_RANGE",
+    ),
+    (
+        "NUL in a key",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": 1, "final": false, "a\\u0000": 1}',
+        400,
+        "INVALID_STRING",
+    ),
     ("array body", "[1, 2]", 400, "INVALID_INPUT"),
     ("not UTF-8", b'{"fence": 1, "usageEventId": "\xff"}', 400, "MALFORMED_JSON"),
     ("empty body: every field missing", "", 400, "INVALID_INPUT"),
@@ -251,3 +273,26 @@ def test_fail_cancel_lease_outcome_topup(world):
     assert out.status_code == 200
     bad = post(api, url(r, "fail"), {"fence": 1, "reason": "x", "requestSent": "maybe"})
     assert (bad.status_code, bad.json()["code"]) == (400, "INVALID_INPUT")
+
+
+def nested_lists(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        # An escaped backslash before "u0000" is text, not a NUL: the fast pre-check may suspect it, the exact
+        # check must accept it.
+        (b'{"a": "x\\\\u0000"}', {"a": "x\\u0000"}),
+        # A surrogate pair is one emoji, not a lone surrogate.
+        (b'{"a": "\\ud83d\\ude00"}', {"a": "\U0001f600"}),
+        (b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}", {"a": nested_lists(63)}),
+        (b'{"n": -9007199254740991}', {"n": -(2**53 - 1)}),
+    ],
+)
+def test_strict_parser_accepts_what_only_looks_suspicious(raw, expected):
+    assert loads_strict(raw) == expected

@@ -35,8 +35,8 @@ def no_connection_recycling():
 
 @pytest.fixture
 def demo(db, redis_db, no_connection_recycling):
-    from budgeting.catalog.policy_documents import validate_policy_document
-    from budgeting.catalog.provisioning import apply_config, load_file
+    from budgeting.provisioning.apply import apply_config, load_file
+    from budgeting.provisioning.policy_documents import validate_policy_document
     from tests.ledger.helpers import DIGEST
 
     apply_config(load_file(DEMO), validate_policy=validate_policy_document)

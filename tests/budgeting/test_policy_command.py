@@ -11,8 +11,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from budgeting.catalog.models import PolicyAlias, PolicyVersion
-from budgeting.catalog.policy_documents import validate_policy_document
-from budgeting.catalog.provisioning import apply_config, load_file
+from budgeting.provisioning.apply import apply_config, load_file
+from budgeting.provisioning.policy_documents import validate_policy_document
 
 pytestmark = pytest.mark.django_db
 

@@ -5,8 +5,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from budgeting.catalog.policy_documents import validate_policy_document
-from budgeting.catalog.provisioning import ProvisioningError, apply_config, load_file
+from budgeting.provisioning.policy_documents import validate_policy_document
+from budgeting.provisioning.apply import ProvisioningError, apply_config, load_file
 
 
 class Command(BaseCommand):

@@ -19,6 +19,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from budgeting.catalog.models import (
+    CAPABILITIES,
+    TEMPLATE_FAMILIES,
     ApiToken,
     ImageFormula,
     ModelPool,
@@ -40,8 +42,6 @@ from ledger.periods import period_start_for
 from ledger.services.accounts import forget_account_cache
 
 T = TypeVar("T")
-CAPABILITIES = {"tools", "json_schema", "vision"}
-TEMPLATE_FAMILIES = {"deepseek", "meta"}
 
 
 class ProvisioningError(Exception):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from budgeting.catalog.provisioning import ProvisioningError
+from budgeting.provisioning.apply import ProvisioningError
 from ladder.policy import PolicyError, parse_policy
 
 

@@ -1,0 +1,1 @@
+"""Declarative provisioning: apply a JSON/YAML description of the catalog, accounts and policies."""
