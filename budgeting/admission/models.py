@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from django.db import models
 
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from ladder.decision import CONTEXT_BUDGET_EXCEEDED, COUNTING_UNAVAILABLE, MINIMUM_EVIDENCE_UNAVAILABLE
+from ladder.policy import RUNGS
+
+
+class Decision(models.TextChoices):
+    """What the ladder decided (what a replay reproduces)."""
+
+    ADMITTED = "ADMITTED"
+    DEGRADED = "DEGRADED"
+    CONTEXT_BUDGET_EXCEEDED = CONTEXT_BUDGET_EXCEEDED
+    COUNTING_UNAVAILABLE = COUNTING_UNAVAILABLE
+    MINIMUM_EVIDENCE_UNAVAILABLE = MINIMUM_EVIDENCE_UNAVAILABLE
+    REJECTED = "REJECTED"
+
+
+class Answer(models.TextChoices):
+    """What the caller was finally answered."""
+
+    RESERVED = "RESERVED"
+    QUEUED = "QUEUED"
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    REPLAYED = "REPLAYED"
+    SHADOW = "SHADOW"
+    CONTEXT_BUDGET_EXCEEDED = CONTEXT_BUDGET_EXCEEDED
+    COUNTING_UNAVAILABLE = COUNTING_UNAVAILABLE
+    MINIMUM_EVIDENCE_UNAVAILABLE = MINIMUM_EVIDENCE_UNAVAILABLE
+    REJECTED = "REJECTED"
+
+
+def longest(values: Iterable[str]) -> int:
+    """The column width that fits every value by construction (a code added later widens the column)."""
+    return max(len(value) for value in values)
 
 
 class Manifest(models.Model):
@@ -17,16 +51,9 @@ class Manifest(models.Model):
     model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
     tokenizer_digest = models.CharField(max_length=71)
     policy_revision = models.PositiveIntegerField(null=True, blank=True)
-    decision = models.CharField(
-        max_length=32, help_text="What the ladder decided (what a replay reproduces)."
-    )
-    answer = models.CharField(
-        max_length=24,
-        blank=True,
-        help_text="What the caller was finally answered: RESERVED, QUEUED, QUOTA_EXCEEDED, REPLAYED, SHADOW "
-        "or the rejection code.",
-    )
-    rung = models.CharField(max_length=32)
+    decision = models.CharField(max_length=longest(Decision.values), choices=Decision.choices)
+    answer = models.CharField(max_length=longest(Answer.values), choices=Answer.choices, blank=True)
+    rung = models.CharField(max_length=longest(RUNGS))
     mode = models.CharField(max_length=8, choices=RolloutMode.choices)
     rendered_digest = models.CharField(max_length=71)
     input_tokens = models.PositiveIntegerField()

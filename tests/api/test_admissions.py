@@ -359,3 +359,17 @@ def test_a_quota_refusal_is_what_the_manifest_records(api):
     assert res.status_code == 429
     manifest = Manifest.objects.get()
     assert (manifest.decision, manifest.answer) == ("ADMITTED", "QUOTA_EXCEEDED")
+
+
+def test_minimum_evidence_missing_is_a_422_problem_and_the_manifest_records_it(api):
+    """contract-review requires one marked evidence item; t-19 is enforced. (This was an HTML 500: the manifest's
+    answer column was shorter than MINIMUM_EVIDENCE_UNAVAILABLE.)"""
+    body = request_body()
+    body["components"]["evidence"] = []
+    res = api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="k-min-ev")
+    assert res.status_code == 422, res.content
+    assert res["Content-Type"].startswith("application/problem+json")
+    assert res.json()["code"] == "MINIMUM_EVIDENCE_UNAVAILABLE"
+    manifest = Manifest.objects.get(request_id=body["requestId"])
+    assert (manifest.decision, manifest.answer) == ("MINIMUM_EVIDENCE_UNAVAILABLE",) * 2
+    assert not Reservation.objects.exists()
