@@ -362,8 +362,8 @@ def test_a_quota_refusal_is_what_the_manifest_records(api):
 
 
 def test_minimum_evidence_missing_is_a_422_problem_and_the_manifest_records_it(api):
-    """contract-review requires one marked evidence item; t-19 is enforced. (This was an HTML 500: the manifest's
-    answer column was shorter than MINIMUM_EVIDENCE_UNAVAILABLE.)"""
+    """contract-review requires one marked evidence item; t-19 is enforced. (This was an HTML 500: the
+    manifest's answer column was shorter than MINIMUM_EVIDENCE_UNAVAILABLE.)"""
     body = request_body()
     body["components"]["evidence"] = []
     res = api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="k-min-ev")
