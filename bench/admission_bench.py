@@ -3,7 +3,7 @@
 In one run, on the same PostgreSQL, with 8 concurrent clients:
   1. raw psycopg baseline: the same hot-row transaction shape as a reservation (insert the reservation row,
      conditional UPDATE of each of the three accounts, insert three ledger entries), hand-written SQL;
-  2. the service layer: ``ledger.services.reserve`` (Django ORM, retries, holds, entries);
+  2. the service layer: ``ledger.services.admission.reserve`` (Django ORM, retries, holds, entries);
   3. HTTP: ``POST /api/v1/admissions`` through gunicorn (render, count with a warm cache, ladder, manifest,
      reserve) with the demo configuration.
 It prints admissions/s, p50/p99 latency and the ratios to the baseline, and checks there is no overspend.
@@ -241,15 +241,18 @@ def main() -> None:
     from django.utils import timezone
 
     from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
-    from ledger import services
     from ledger.models import CapacityAccount, Reservation
     from ledger.selectors import audit
+    from ledger.services import accounts as ledger_accounts
+    from ledger.services import admission as ledger_admission
 
     tenant = Tenant.objects.get(slug="t-internal")
     task = TaskClass.objects.get(slug="support-chat")
     pool = ModelPool.objects.get(slug="eu-large")
     model = ModelRevision.objects.get(name="model@2026-07-01")
-    accounts = services.applicable_accounts(tenant=tenant, task_class=task, pool=pool, now=timezone.now())
+    accounts = ledger_accounts.applicable_accounts(
+        tenant=tenant, task_class=task, pool=pool, now=timezone.now()
+    )
     # Throughput, not admission control, is measured: lift the concurrency and input limits that would
     # otherwise stop the run after a few hundred holds.
     CapacityAccount.objects.update(concurrency_limit=None, input_limit=10**12, output_limit=10**12)
@@ -260,7 +263,7 @@ def main() -> None:
     )
 
     def service_call(i: int, n: int) -> bool:
-        spec = services.AdmissionSpec(
+        spec = ledger_admission.AdmissionSpec(
             tenant=tenant,
             task_class=task,
             pool=pool,
@@ -275,7 +278,7 @@ def main() -> None:
             rung="FULL",
             manifest_id=None,
         )
-        return not services.reserve(spec=spec, build_body=lambda r: {}, now=timezone.now()).replayed
+        return not ledger_admission.reserve(spec=spec, build_body=lambda r: {}, now=timezone.now()).replayed
 
     service = run_clients(args.seconds, service_call)
     http = http_run(url, args.seconds)

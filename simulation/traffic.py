@@ -28,22 +28,18 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final
 
-from tokenbudget_gateway.client import (
-    ADMISSIONS_PATH,
-    ApiClient,
+from tokenbudget_gateway.client import DiePoint, GatewayClient
+from tokenbudget_gateway.errors import (
     ApiError,
     ApiUnavailable,
-    CallResult,
-    ChatProvider,
     ClientDied,
-    DiePoint,
-    GatewayClient,
     GatewayError,
-    Grant,
     ProtocolViolation,
-    RetryPolicy,
     StaleFence,
 )
+from tokenbudget_gateway.protocol import ADMISSIONS_PATH, CallResult, Grant
+from tokenbudget_gateway.provider import ChatProvider
+from tokenbudget_gateway.transport import ApiClient, RetryPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from budgeting.catalog.policy_documents import validate_policy_document
-from budgeting.catalog.provisioning import apply_config, load_file
+from budgeting.provisioning.apply import apply_config, load_file
+from budgeting.provisioning.policy_documents import validate_policy_document
 from simulation.provider import Simulator
 from tests.e2e_faults.harness import DEMO, Platform, point_pools_at
 

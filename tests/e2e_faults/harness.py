@@ -23,18 +23,15 @@ from urllib.parse import quote, urlsplit
 
 from django.db import connection
 from django.utils import timezone
-from tokenbudget_gateway.client import (
-    ApiClient,
-    ApiResponse,
-    ChatProvider,
-    GatewayClient,
-    RetryPolicy,
-)
+from tokenbudget_gateway.client import GatewayClient
+from tokenbudget_gateway.provider import ChatProvider
+from tokenbudget_gateway.transport import ApiClient, ApiResponse, RetryPolicy
 
 from budgeting.catalog.models import ModelPool
 from ledger.models import CapacityAccount, Reservation, State
 from ledger.selectors import audit
-from simulation.provider import BillingComparison, Simulator
+from simulation.billing import BillingComparison
+from simulation.provider import Simulator
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "budgeting" / "demo" / "demo.yaml"

@@ -17,20 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenbudget_gateway.client import (
-    ApiError,
-    ClientDied,
-    DiePoint,
-    PausePoint,
-    StaleFence,
-    provider_request_id_for,
-)
+from tokenbudget_gateway.client import DiePoint, PausePoint
+from tokenbudget_gateway.errors import ApiError, ClientDied, StaleFence
+from tokenbudget_gateway.protocol import provider_request_id_for
 
 from budgeting.celery import app as celery_app
 from ledger.models import EntryKind, Hold, LedgerEntry, Outcome, Reservation, State, UsageEvent
 from reconciliation import tasks
 from reconciliation.models import BillingImport
-from simulation.provider import BillingStatus, Fault, Simulator
+from simulation.billing import BillingStatus
+from simulation.faults import Fault
+from simulation.provider import Simulator
 from tests.e2e_faults.harness import (
     LossyProxy,
     Platform,

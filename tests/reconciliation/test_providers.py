@@ -30,7 +30,8 @@ from reconciliation.providers import (
     parse_billing_export,
     scan_billing_export,
 )
-from simulation.provider import Fault, LookupFault, Simulator
+from simulation.faults import Fault, LookupFault
+from simulation.provider import Simulator
 
 MESSAGES = [{"role": "user", "content": "How long is the notice period?"}]
 

@@ -31,7 +31,8 @@ from budgeting.celery import app as celery_app
 from ledger.models import Reservation, State
 from ledger.selectors import AuditReport, audit
 from reconciliation.models import BillingImport
-from simulation.provider import BillingComparison, Simulator
+from simulation.billing import BillingComparison
+from simulation.provider import Simulator
 from simulation.traffic import Fleet
 
 DEMO_TOKEN = "tb_demo_gateway_eu_0000000000000000"

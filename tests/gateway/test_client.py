@@ -16,26 +16,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from tokenbudget_gateway.client import (
+from tokenbudget_gateway.client import GatewayClient
+from tokenbudget_gateway.errors import (
     AdmissionQueued,
-    ApiClient,
     ApiError,
-    ApiResponse,
     ApiUnavailable,
-    ChatProvider,
     ClientDied,
-    GatewayClient,
-    Grant,
     ProtocolViolation,
-    RetryPolicy,
     StaleFence,
-    is_retryable_status,
-    provider_body,
-    provider_request_id_for,
-    usage_event_id,
 )
+from tokenbudget_gateway.protocol import Grant, provider_request_id_for, usage_event_id
+from tokenbudget_gateway.provider import ChatProvider, provider_body
+from tokenbudget_gateway.transport import ApiClient, ApiResponse, RetryPolicy, is_retryable_status
 
-from simulation.provider import BillingStatus, Fault, Simulator
+from simulation.billing import BillingStatus
+from simulation.faults import Fault
+from simulation.provider import Simulator
 
 MESSAGES = [
     {"role": "system", "content": "You review contracts."},

@@ -20,14 +20,11 @@ from reconciliation.providers import (
     RequestBillingRecord,
     parse_billing_export,
 )
-from simulation.provider import (
-    BillingStatus,
-    Fault,
-    Simulator,
-    api_key_id,
-    default_prompt_counter,
-    parse_bucket_width,
-)
+from simulation.billing import BillingStatus, api_key_id
+from simulation.completions import default_prompt_counter
+from simulation.exports import parse_bucket_width
+from simulation.faults import Fault
+from simulation.provider import Simulator
 
 MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You review contracts."},

@@ -1,0 +1,204 @@
+"""The launcher's two commands: ``run`` serves the demo platform, ``test`` runs pytest.
+
+* ``run`` migrates, provisions the demo file, makes sure an admin superuser exists, collects static files,
+  then supervises gunicorn, a Celery worker and Celery beat until Ctrl-C or SIGTERM. It is the demo
+  platform: unless the environment says otherwise, leases last ``DEMO_LEASE_SECONDS`` (so a crashed
+  gateway's reservation is reclaimed within seconds, e.g. during ``manage.py simulate``), gunicorn runs
+  several workers, and their latency metrics are merged through ``PROMETHEUS_MULTIPROC_DIR``.
+* ``test`` runs pytest with the given arguments and exits with pytest's exit code.
+
+``run`` keeps its embedded data in ``var/pg`` and ``var/redis``; ``test`` uses ``var/test-pg`` and
+``var/test-redis`` so the suite can run beside a running platform. While ``run`` is up, ``var/embedded.env``
+holds the URLs so that ``manage.py`` works in another shell.
+
+Django is imported only once the URLs are known: the settings module refuses to load without them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from budgeting.launcher.embedded import provide_services
+from budgeting.launcher.processes import (
+    BASE_DIR,
+    CHILD_GRACE_SECONDS,
+    LOOPBACK,
+    Child,
+    LaunchError,
+    Stop,
+    note_repeat,
+    port_accepts,
+    say,
+    spawn,
+    stop_children,
+    var_dir,
+    write_private,
+)
+
+DEMO_FILE = BASE_DIR / "budgeting" / "demo" / "demo.yaml"
+ADMIN_USERNAME = "admin"
+HTTP_READY_SECONDS = 60.0
+DEMO_LEASE_SECONDS = 15
+MAX_WEB_WORKERS = 4
+
+
+def prepare_database() -> None:
+    """Migrate, provision the demo file, make sure an admin exists and collect static files.
+
+    Raises LaunchError when a management command reports an error.
+    """
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
+    django.setup()
+    from django.core.management import CommandError, call_command
+    from django.db import connections
+
+    try:
+        call_command("migrate", interactive=False)
+        say(f"provisioning {DEMO_FILE.relative_to(BASE_DIR)}")
+        call_command("provision", str(DEMO_FILE))
+        ensure_admin()
+        call_command("collectstatic", interactive=False, verbosity=0)
+    except CommandError as error:
+        raise LaunchError(f"preparing the database failed: {error}") from error
+    finally:
+        connections.close_all()
+
+
+def ensure_admin() -> None:
+    """Create the ``admin`` superuser with a random password, printed once, unless a superuser exists."""
+    from django.contrib.auth import get_user_model
+
+    users = get_user_model()
+    existing = users.objects.filter(is_superuser=True).order_by("pk").first()
+    if existing is not None:
+        name = existing.get_username()
+        say(
+            f"admin superuser {name!r} exists; to reset its password: "
+            f".venv/bin/python manage.py changepassword {name}"
+        )
+        return
+    password = secrets.token_urlsafe(18)
+    users.objects.create_superuser(username=ADMIN_USERNAME, email="", password=password)
+    say(f"created admin superuser {ADMIN_USERNAME!r} with password {password}  (shown only this once)")
+
+
+def demo_environment(root: Path) -> None:
+    """Defaults of the demo platform for what the environment does not set (see the module docstring).
+
+    The metrics folder is emptied first: files left by an earlier run's workers would be merged into this
+    run's scrapes.
+    """
+    os.environ.setdefault("LEASE_SECONDS", str(DEMO_LEASE_SECONDS))
+    os.environ.setdefault("WEB_CONCURRENCY", str(min(MAX_WEB_WORKERS, 2 * (os.cpu_count() or 1))))
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        metrics_dir = root / "prometheus"
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+        for stale in metrics_dir.glob("*.db"):
+            stale.unlink()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+
+
+def run(stack: contextlib.ExitStack) -> int:
+    """Serve until a signal arrives (exit 0) or a supervised process dies (exit 1)."""
+    began = time.monotonic()
+    raw_port = os.environ.get("PORT", "8000")
+    if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+        raise LaunchError(f"PORT={raw_port!r} is not a TCP port number")
+    port = int(raw_port)
+    if port_accepts(port):
+        raise LaunchError(f"{LOOPBACK}:{port} is already in use; stop whatever serves it or set PORT")
+    root = var_dir()
+    demo_environment(root)
+    services = provide_services(stack, prefix="", durable=True)
+    if services.postgres or services.redis:
+        env_file = root / "embedded.env"
+        write_private(
+            env_file, "".join(f"{key}={os.environ[key]}\n" for key in ("DATABASE_URL", "REDIS_URL"))
+        )
+        stack.callback(env_file.unlink, missing_ok=True)
+    prepare_database()
+
+    python = sys.executable
+    commands = {
+        "gunicorn": [python, "-m", "gunicorn", "budgeting.wsgi:application", "--bind", f"{LOOPBACK}:{port}",
+                     "--config", "python:budgeting.gunicorn_conf",
+                     "--workers", os.environ["WEB_CONCURRENCY"], "--graceful-timeout", "20",
+                     "--access-logfile", "-"],
+        "celery worker": [python, "-m", "celery", "-A", "budgeting", "worker", "--loglevel", "INFO"],
+        "celery beat": [python, "-m", "celery", "-A", "budgeting", "beat", "--loglevel", "INFO",
+                        "--schedule", str(root / "celerybeat-schedule")],
+    }  # fmt: skip
+    children: list[Child] = []
+    stack.callback(stop_children, children)
+    for name, argv in commands.items():
+        children.append(Child(name, spawn(argv)))
+
+    deadline = time.monotonic() + HTTP_READY_SECONDS
+    while not port_accepts(port):
+        failed = next((child for child in children if child.process.poll() is not None), None)
+        if failed is not None or time.monotonic() > deadline:
+            reason = f"{failed.name} exited" if failed else f"nothing answers on port {port}"
+            raise LaunchError(f"the platform did not come up: {reason}")
+        time.sleep(0.2)
+    base = f"http://{LOOPBACK}:{port}"
+    lines = [
+        f"up in {time.monotonic() - began:.1f}s",
+        f"API             {base}/api/v1/",
+        f"Admin           {base}/admin/",
+        f"OpenAPI schema  {base}/api/v1/schema",
+        f"Metrics         {base}/metrics",
+        f"Leases          {os.environ['LEASE_SECONDS']}s (LEASE_SECONDS)",
+        f"Web workers     {os.environ['WEB_CONCURRENCY']} (WEB_CONCURRENCY)",
+        *services.describe(),
+        "Ctrl-C stops everything.",
+    ]
+    say("\n  ".join(lines))
+
+    while True:
+        failed = next((child for child in children if child.process.poll() is not None), None)
+        if failed is not None:
+            say(f"{failed.name} exited with code {failed.process.returncode}; stopping the platform")
+            return 1
+        dead = services.dead()
+        if dead is not None:
+            say(f"{dead} stopped; stopping the platform")
+            return 1
+        time.sleep(0.5)
+
+
+def test(stack: contextlib.ExitStack, pytest_args: Sequence[str]) -> int:
+    """Run pytest against the configured or embedded services and return its exit code.
+
+    pytest stays in the terminal's process group, so Ctrl-C and ``--pdb`` behave as with plain pytest; the
+    launcher ignores SIGINT meanwhile (the terminal delivers it to pytest) and passes SIGTERM on.
+    """
+    provide_services(stack, prefix="test-", durable=False)
+    pytest: subprocess.Popen[bytes] | None = None
+    try:
+        pytest = subprocess.Popen([sys.executable, "-m", "pytest", *pytest_args], cwd=BASE_DIR)
+        # Set after Popen: an ignored SIGINT would be inherited and make pytest deaf to Ctrl-C.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        code = pytest.wait()
+    except Stop as stop:
+        if pytest is None:
+            raise
+        signal.signal(signal.SIGINT, note_repeat)
+        signal.signal(signal.SIGTERM, note_repeat)
+        say(f"{stop}: passing it on to pytest")
+        pytest.send_signal(stop.signum)
+        try:
+            code = pytest.wait(CHILD_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            pytest.kill()
+            code = pytest.wait()
+    return code if code >= 0 else 128 - code
