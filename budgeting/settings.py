@@ -74,6 +74,8 @@ def database_from_url(url: str) -> dict[str, object]:
     if not name:
         raise ImproperlyConfigured("DATABASE_URL names no database (postgres://user@host:port/NAME)")
     options = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
+    # A database that does not answer fails the request fast (503) instead of holding a worker.
+    options.setdefault("connect_timeout", "3")
     host = unquote(parsed.hostname or "") or options.pop("host", "")
     return {
         "ENGINE": "django.db.backends.postgresql",
@@ -131,6 +133,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "budgeting.api.middleware.ApiProblemMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

@@ -3,13 +3,14 @@ from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
 from budgeting.api import views
-from budgeting.backoffice import report_views
+from budgeting.backoffice.reports import views as report_views
 from budgeting.observability import metrics
 
 R = "api/v1/reservations/<str:reservation_id>"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("api/v1/", views.IndexView.as_view(), name="api-index"),
     path("api/v1/admissions", views.AdmissionView.as_view(), name="admissions"),
     path("api/v1/admissions:count", views.CountView.as_view(), name="admissions-count"),
     path(R, views.ReservationView.as_view(), name="reservation"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import cast
@@ -9,33 +11,58 @@ from typing import cast
 import redis
 from django.conf import settings
 
+logger = logging.getLogger(__name__)
+
 
 @lru_cache(maxsize=1)
 def redis_client() -> redis.Redis:
     return redis.Redis.from_url(str(settings.REDIS_URL), socket_timeout=2, socket_connect_timeout=2)
 
 
+# While Redis is unreachable the cache is skipped for this long, so admissions do not each wait on a timeout.
+SKIP_AFTER_FAILURE_SECONDS = 5.0
+_skip_until = 0.0
+
+
+def _redis_failed(exc: redis.RedisError) -> None:
+    global _skip_until
+    if time.monotonic() >= _skip_until:
+        logger.warning("count cache: Redis unavailable, counting without it: %s", exc)
+    _skip_until = time.monotonic() + SKIP_AFTER_FAILURE_SECONDS
+
+
 class RedisCountCache:
     """Per-segment token counts in Redis. Keys carry the tokenizer digest and template revision (the ladder
-    builds them), so a count made under an old tokenizer or template is never read back."""
+    builds them), so a count made under an old tokenizer or template is never read back.
+
+    Only a cache: while Redis is down every segment is a miss and the tokenizer counts it (exact, slower);
+    the counting-unavailable rule of the policy is for when the tokenizer itself cannot count.
+    """
 
     def __init__(self, client: redis.Redis | None = None, ttl_seconds: int | None = None) -> None:
         self.client = client or redis_client()
         self.ttl = ttl_seconds or settings.COUNT_CACHE_TTL_SECONDS
 
     def get_many(self, keys: Sequence[str]) -> list[int | None]:
-        if not keys:
-            return []
-        values = cast(list[bytes | None], self.client.mget(list(keys)))
+        if not keys or time.monotonic() < _skip_until:
+            return [None] * len(keys)
+        try:
+            values = cast(list[bytes | None], self.client.mget(list(keys)))
+        except redis.RedisError as exc:
+            _redis_failed(exc)
+            return [None] * len(keys)
         return [None if v is None else int(v) for v in values]
 
     def set_many(self, mapping: Mapping[str, int]) -> None:
-        if not mapping:
+        if not mapping or time.monotonic() < _skip_until:
             return
         pipe = self.client.pipeline(transaction=False)
         for key, value in mapping.items():
             pipe.set(key, value, ex=self.ttl)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            _redis_failed(exc)
 
     def clear_prefix(self, prefix: str) -> int:
         """Delete every cached count whose key starts with ``prefix``; returns how many."""

@@ -4,8 +4,11 @@ room) by their kind, DRF's own exceptions by class, and the API's own ``Problem`
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import redis
+from django import db
 from django.http import Http404
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.response import Response
@@ -21,6 +24,8 @@ from budgeting.catalog.errors import (
 )
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+
+logger = logging.getLogger(__name__)
 
 # The first kind in a domain error's class hierarchy that is listed here gives its status.
 STATUS_BY_KIND: dict[type[DomainError], int] = {
@@ -99,8 +104,32 @@ def problem_response(error: DomainError) -> Response:
     return response
 
 
+class ServiceUnavailable(Unavailable):
+    code = "SERVICE_UNAVAILABLE"
+    title = "A dependency of the platform is unavailable"
+    retry_after = 2
+
+
+# A database or Redis that cannot be reached (or dropped the connection mid-request). Django marks a broken
+# connection unusable and opens a new one on the next request, so the platform serves again on its own.
+DEPENDENCY_ERRORS: tuple[type[Exception], ...] = (
+    db.OperationalError,
+    db.InterfaceError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+)
+
+
+def unavailable(exc: Exception) -> ServiceUnavailable:
+    logger.warning("dependency unavailable: %s: %s", type(exc).__name__, exc)
+    return ServiceUnavailable("the database or Redis cannot be reached; try again shortly")
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    """DRF exception handler: domain problems and DRF errors become problem+json; others propagate."""
+    """DRF exception handler: domain problems, DRF errors and unreachable dependencies become problem+json;
+    anything else propagates (``ApiProblemMiddleware`` answers it as a 500 problem)."""
+    if isinstance(exc, DEPENDENCY_ERRORS):
+        return problem_response(unavailable(exc))
     if isinstance(exc, DomainError):
         return problem_response(exc)
     if isinstance(exc, Http404):

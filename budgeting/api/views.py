@@ -75,6 +75,35 @@ def _reservation_id(raw: str) -> uuid.UUID:
         raise NotFound("no such reservation") from None
 
 
+class IndexView(APIView):
+    """``GET /api/v1/``: what the API offers, for a person or a client finding its way."""
+
+    authentication_classes: list[type] = []
+    permission_classes: list[type] = []
+
+    @extend_schema(responses={200: AnyObject}, operation_id="apiIndex")
+    def get(self, request: Request) -> Response:
+        reservation = "/api/v1/reservations/{id}"
+        return Response(
+            {
+                "name": "token-budget admission API",
+                "version": "v1",
+                "schema": "/api/v1/schema",
+                "authentication": "Authorization: Bearer <service client token>",
+                "endpoints": {
+                    "admit": "POST /api/v1/admissions",
+                    "count": "POST /api/v1/admissions:count",
+                    "reservation": f"GET {reservation}",
+                    "lifecycle": [
+                        f"POST {reservation}/{action}"
+                        for action in ("dispatch", "usage", "top-up", "cancel", "fail", "lease", "outcome")
+                    ],
+                    "reports": "GET /api/v1/reports",
+                },
+            }
+        )
+
+
 class AdmissionView(TenantScopedView):
     @extend_schema(
         request=AdmissionIn,

@@ -1,0 +1,176 @@
+"""Everything under /api/ answers problem+json: unknown paths, wrong methods, a dependency that is down
+(503 with Retry-After, and service again without a restart once it is back); chunked bodies are read as sent."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from rest_framework.test import APIClient
+
+from budgeting.admission import count_cache
+from budgeting.provisioning.apply import apply_config, load_file
+from budgeting.provisioning.policy_documents import validate_policy_document
+from ledger.models import Reservation
+from tests.api.test_admissions import DEMO, TOKEN, request_body
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def demo_api(redis_db):
+    apply_config(load_file(DEMO), validate_policy=validate_policy_document)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    return client
+
+
+def assert_problem(res, status: int, code: str) -> dict:
+    assert res.status_code == status, res.content[:300]
+    assert res["Content-Type"].startswith("application/problem+json")
+    body = res.json()
+    assert (body["status"], body["code"]) == (status, code)
+    return body
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("path", ["/api/", "/api/v2/admissions", "/api/v1/nothing", "/api/v1/reservations"])
+def test_unknown_api_paths_are_404_problems(path):
+    assert_problem(APIClient().get(path), 404, "NOT_FOUND")
+
+
+@pytest.mark.django_db
+def test_the_api_index_lists_the_endpoints():
+    res = APIClient().get("/api/v1/")
+    assert res.status_code == 200
+    body = res.json()
+    assert body["schema"] == "/api/v1/schema"
+    assert body["endpoints"]["admit"] == "POST /api/v1/admissions"
+
+
+@pytest.mark.django_db
+def test_a_method_the_schema_does_not_take_is_a_json_405_problem():
+    res = APIClient().post("/api/v1/schema", {}, format="json")
+    assert_problem(res, 405, "METHOD_NOT_ALLOWED")
+    assert "GET" in res["Allow"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_database_down_is_503_with_retry_after_and_service_resumes_without_restart(demo_api):
+    body = request_body()
+    assert demo_api.post("/api/v1/admissions:count", body, format="json").status_code == 200
+    real_port = connection.settings_dict["PORT"]
+    connection.close()
+    connection.settings_dict["PORT"] = str(closed_port())
+    try:
+        res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="k-down")
+        assert_problem(res, 503, "SERVICE_UNAVAILABLE")
+        assert int(res["Retry-After"]) > 0
+        res = demo_api.get("/api/v1/reservations/00000000-0000-0000-0000-000000000000")
+        assert_problem(res, 503, "SERVICE_UNAVAILABLE")
+    finally:
+        connection.close()
+        connection.settings_dict["PORT"] = real_port
+    res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="k-down")
+    assert res.status_code == 201, res.content[:300]
+    assert Reservation.objects.count() == 1
+
+
+@pytest.mark.django_db
+def test_redis_down_counts_exactly_without_the_cache(demo_api, monkeypatch):
+    body = request_body()
+    cached = demo_api.post("/api/v1/admissions:count", body, format="json").json()
+    dead = count_cache.RedisCountCache.__init__
+
+    def dead_redis(self, client=None, ttl_seconds=None):
+        import redis
+
+        dead(self, redis.Redis(port=closed_port(), socket_connect_timeout=1), ttl_seconds)
+
+    monkeypatch.setattr(count_cache.RedisCountCache, "__init__", dead_redis)
+    monkeypatch.setattr(count_cache, "_skip_until", 0.0)
+    res = demo_api.post("/api/v1/admissions:count", body, format="json")
+    assert res.status_code == 200, res.content[:300]
+    assert res.json()["countMethod"] == "EXACT"
+    assert res.json()["tokens"] == cached["tokens"]
+    assert count_cache._skip_until > time.monotonic()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_chunked_body_is_read_through_gunicorn(demo_api):
+    """Django alone reads a chunked body as empty (no Content-Length); gunicorn decodes the chunks."""
+    port = closed_port()
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "DJANGO_SETTINGS_MODULE": "budgeting.settings",
+    }
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "budgeting.wsgi:application",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    try:
+        wait_for_port(port)
+        payload = request_body()
+        import json
+
+        raw = json.dumps(payload).encode()
+        chunks = iter([raw[: len(raw) // 2], raw[len(raw) // 2 :]])
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/v1/admissions:count",
+            data=chunks,
+            method="POST",
+            headers={
+                "Authorization": f"Bearer {TOKEN}",
+                "Content-Type": "application/json",
+                "Transfer-Encoding": "chunked",
+            },
+        )
+        with urllib.request.urlopen(req, timeout=30) as res:
+            assert res.status == 200
+            assert json.loads(res.read())["requestId"] == payload["requestId"]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def database_url() -> str:
+    s = connection.settings_dict
+    return f"postgres://{s['USER']}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/", timeout=2):
+                return
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
+    raise AssertionError(f"gunicorn did not answer on {port}")
