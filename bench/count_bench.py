@@ -25,8 +25,9 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ladder.components import Limits, parse_components  # noqa: E402
+from ladder.components import Limits  # noqa: E402
 from ladder.counting import TokenizerCounter, count_stream  # noqa: E402
+from ladder.parser import parse_components  # noqa: E402
 from ladder.templates import Special, Text, get_template  # noqa: E402
 
 ROUNDS = 7

@@ -31,9 +31,11 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ladder.components import Components, Limits, parse_components  # noqa: E402
+from ladder.components import Components, Limits  # noqa: E402
 from ladder.counting import TokenizerCounter  # noqa: E402
-from ladder.decide import Decision, decide  # noqa: E402
+from ladder.decide import decide  # noqa: E402
+from ladder.decision import Decision  # noqa: E402
+from ladder.parser import parse_components  # noqa: E402
 from ladder.policy import TaskPolicy, parse_policy  # noqa: E402
 from ladder.rungs import ModelSpec  # noqa: E402
 

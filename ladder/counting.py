@@ -269,16 +269,6 @@ class Count:
     method: CountMethod
     specials: int
 
-    def to_json(self) -> dict[str, object]:
-        """Return the camelCase JSON form."""
-        return {
-            "total": self.total,
-            "buckets": dict(self.per_bucket),
-            "objects": dict(self.per_object),
-            "method": self.method,
-            "specials": self.specials,
-        }
-
 
 def cache_key(counter_digest: str, template_revision: str, text: str) -> str:
     """Return the cache key of one text segment."""

@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 Rung = Literal[
     "FULL",
@@ -21,15 +21,7 @@ Rung = Literal[
     "SMALLER_MODEL",
     "QUEUE_OR_REJECT",
 ]
-RUNGS: tuple[Rung, ...] = (
-    "FULL",
-    "DEDUP_EVIDENCE",
-    "COMPACT_HISTORY",
-    "NARROW_WORKFLOW",
-    "TRIM_EVIDENCE",
-    "SMALLER_MODEL",
-    "QUEUE_OR_REJECT",
-)
+RUNGS: tuple[Rung, ...] = get_args(Rung)
 CountingUnavailablePolicy = Literal["REJECT", "UPPER_BOUND"]
 
 _SLUG = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")

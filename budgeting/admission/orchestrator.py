@@ -21,11 +21,14 @@ from budgeting.catalog import selectors as catalog
 from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, NotFound, Unavailable, Unprocessable
 from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.observability import metrics
-from ladder.components import ComponentError, Components, Limits, parse_components
+from ladder.components import ComponentError, Components, Limits
 from ladder.counting import CountingUnavailable, rendered_digest
-from ladder.decide import ESTIMATOR_REVISION, Decision, decide
+from ladder.decide import ESTIMATOR_REVISION, decide
+from ladder.decision import Decision
+from ladder.messages import build_payload
+from ladder.parser import parse_components
 from ladder.rungs import minimum_evidence_ids
-from ladder.templates import build_payload
+from ladder.wire import decision_manifest, decision_response, step_json
 from ledger.errors import QuotaExceeded
 from ledger.models import Reservation, State
 from ledger.services import admission as ledger_admission
@@ -146,7 +149,7 @@ def request_fingerprint(ctx: Context) -> str:
 
 
 def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
-    body = decision.to_response()
+    body = decision_response(decision)
     estimate = ctx.envelope.get("clientEstimate")
     return {
         "requestId": ctx.envelope["requestId"],
@@ -161,7 +164,7 @@ def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
             "maxOutput": decision.max_output,
             "contextWindow": decision.model.context_window,
         },
-        "steps": [step.to_json() for step in decision.steps],
+        "steps": [step_json(step) for step in decision.steps],
         "clientEstimate": None
         if estimate is None
         else {
@@ -210,7 +213,7 @@ def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> M
                     "tokenizerDigest": r.model.tokenizer.digest,
                 },
             },
-            **decision.to_manifest(),
+            **decision_manifest(decision),
         },
     )
     return services.record_manifest(manifest=manifest)
@@ -236,11 +239,11 @@ def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> DomainEr
         decision.detail or "hard buckets plus the minimum evidence set do not fit",
         code=problem_code,
         reason=decision.code,
-        tokens=decision.to_response()["tokens"],
+        tokens=decision_response(decision)["tokens"],
         budget={"input": decision.budget, "maxOutput": decision.max_output},
         minimumTokensNeeded=decision.minimum_tokens_needed,
         rungsTried=list(decision.rungs_tried),
-        steps=[step.to_json() for step in decision.steps],
+        steps=[step_json(step) for step in decision.steps],
         recommendations=list(decision.recommendations),
         manifestId=manifest.pk,
     )

@@ -22,12 +22,16 @@ from budgeting.admission.orchestrator import LIMITS, decision_label
 from budgeting.api.serializers import AdmissionIn
 from budgeting.catalog import selectors as catalog
 from budgeting.catalog.models import ModelRevision, PolicyVersion, RolloutMode, Tokenizer
-from ladder.components import ComponentError, Components, parse_components
+from ladder.components import ComponentError, Components
 from ladder.counting import CountingUnavailable, MemoryCountCache, SegmentCounter, UpperBoundRule
-from ladder.decide import COUNTING_UNAVAILABLE, Decision, decide
+from ladder.decide import decide
+from ladder.decision import COUNTING_UNAVAILABLE, Decision
+from ladder.messages import TemplateError
+from ladder.parser import parse_components
 from ladder.policy import PolicyError, TaskPolicy, parse_policy
 from ladder.rungs import ModelSpec
-from ladder.templates import TemplateError, get_template
+from ladder.templates import get_template
+from ladder.wire import decision_manifest
 from ledger.models import LedgerEntry, Reservation
 
 # A tampered or damaged record can differ everywhere; the first ones are enough to see what happened.
@@ -383,7 +387,7 @@ def _compare(
         if recorded != replayed:
             yield f"manifest {name}: recorded {_show(recorded)}, replayed {_show(replayed)}"
     recorded_record = {key: value for key, value in record.items() if key != "lockedRevisions"}
-    replayed_record = decision.to_manifest()
+    replayed_record = decision_manifest(decision)
     if ignore_detail:
         # Why counting was unavailable (a missing file, a timeout) is the environment's, not the ladder's.
         recorded_record.pop("detail", None)

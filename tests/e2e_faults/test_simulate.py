@@ -12,7 +12,8 @@ import pytest
 from django.core.management import call_command
 
 from budgeting.catalog.models import ModelPool
-from ladder.components import Limits, parse_components
+from ladder.components import Limits
+from ladder.parser import parse_components
 from ledger.models import Reservation, State
 from simulation.traffic import TASK_CLASSES, Corpus, FaultKind, Plan, build_request, plan_request
 from tests.e2e_faults.harness import Platform, celery_workers

@@ -8,12 +8,9 @@ from typing import Any
 
 import pytest
 
-from ladder.components import (
-    ComponentError,
-    Limits,
-    bucket_digests,
-    parse_components,
-)
+from ladder.components import ComponentError, Limits, bucket_digests
+from ladder.parser import parse_components
+from ladder.wire import components_json
 
 from .fixtures import FIXTURES, fixture
 
@@ -23,7 +20,7 @@ LIMITS = Limits()
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_fixture_parses_and_round_trips(name: str) -> None:
     components = parse_components(fixture(name), limits=LIMITS)
-    again = parse_components(components.to_json(), limits=LIMITS)
+    again = parse_components(components_json(components), limits=LIMITS)
     assert again == components
     assert bucket_digests(again) == bucket_digests(components)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from ladder.components import Components, Limits, parse_components
+from ladder.components import Components, Limits
 from ladder.counting import (
     CountingUnavailable,
     CountMethod,
@@ -21,10 +21,13 @@ from ladder.counting import (
     TokenizerCounter,
     image_tokens,
 )
-from ladder.decide import Decision, decide
+from ladder.decide import decide
+from ladder.decision import Decision
+from ladder.parser import parse_components
 from ladder.policy import TaskPolicy
 from ladder.rungs import ModelSpec, minimum_evidence_ids
 from ladder.templates import Image, get_template, stream_text
+from ladder.wire import decision_manifest, decision_response
 
 from .conftest import counter_for, models
 from .fixtures import ALL_RUNGS, FIXTURES, fixture, task_policy
@@ -140,7 +143,7 @@ def check_invariants(
     assert [tool["function"]["name"] for tool in payload.get("tools", [])] == [
         tool.name for tool in final.tools
     ]
-    json.dumps(decision.to_manifest())
+    json.dumps(decision_manifest(decision))
 
 
 @pytest.fixture
@@ -320,7 +323,7 @@ def test_trim_never_goes_below_the_minimum_set(tokenizers: dict[str, Tokenizer])
     # Minimum needed: hard buckets + trusted state + minimum evidence + template; nothing else.
     minimal = replace(decision.components, recent_turns=(), tools=(), compactions=())
     assert decision.minimum_tokens_needed == full_tokens(minimal)
-    response = decision.to_response()
+    response = decision_response(decision)
     assert response["code"] == "CONTEXT_BUDGET_EXCEEDED" and response["budget"] == 500
     assert set(response["tokens"]["buckets"]) >= {"immutableRules", "evidence", "template"}  # type: ignore[index]
     check_invariants(decision, original, policy, tokenizers)
@@ -437,7 +440,7 @@ def test_the_full_ladder_in_order(tokenizers: dict[str, Tokenizer]) -> None:
     cache = MemoryCountCache()
     cold = run(data, budget=budget, policy=policy, cache=cache)
     warm = run(data, budget=budget, policy=policy, cache=cache)
-    assert cold.to_manifest() == decision.to_manifest() == warm.to_manifest()
+    assert decision_manifest(cold) == decision_manifest(decision) == decision_manifest(warm)
     assert cold.payload == warm.payload and cold.rendered_digest == decision.rendered_digest
 
 
@@ -607,7 +610,7 @@ def test_random_requests_keep_every_invariant(
     step_rungs = [step.rung for step in decision.steps]
     distinct = [rung for index, rung in enumerate(step_rungs) if index == 0 or step_rungs[index - 1] != rung]
     assert distinct == [rung for rung in decision.rungs_tried if rung not in ("FULL", "QUEUE_OR_REJECT")]
-    assert run(original, budget=budget, policy=policy).to_manifest() == decision.to_manifest()
+    assert decision_manifest(run(original, budget=budget, policy=policy)) == decision_manifest(decision)
     bounded = run(original, budget=budget, policy=policy, counters=failing())
     check_invariants(bounded, original, policy, tokenizers)
     assert bounded.steps == () and bounded.removed == ()

@@ -10,14 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from tokenizers import Tokenizer
 
-from ladder.components import Limits, TextPart, parse_components
+from ladder.components import Limits, TextPart
 from ladder.counting import ImageFormula, MemoryCountCache, TokenizerCounter, count_stream, image_tokens
+from ladder.messages import TemplateError
+from ladder.parser import parse_components
 from ladder.templates import (
     TEMPLATE_FAMILIES,
     Image,
     Piece,
     Special,
-    TemplateError,
     Text,
     check_boundaries,
     get_template,
