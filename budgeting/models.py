@@ -4,6 +4,7 @@ from budgeting.admission.models import Manifest
 from budgeting.backoffice.models import UsageReport
 from budgeting.catalog.models import (
     ApiToken,
+    CatalogVersion,
     ChangeRecord,
     ModelPool,
     ModelRevision,
@@ -19,6 +20,7 @@ from budgeting.catalog.models import (
 
 __all__ = [
     "ApiToken",
+    "CatalogVersion",
     "ChangeRecord",
     "Manifest",
     "ModelPool",

@@ -333,3 +333,18 @@ class TemporaryIncrease(models.Model):
     @property
     def active(self) -> bool:
         return self.ended_at is None
+
+
+class CatalogVersion(models.Model):
+    """One row whose ``version`` goes up in the same transaction as any change to the catalog, the policies,
+    the service clients and their tokens, or which capacity accounts exist (database triggers, so every write
+    path counts). Each process keeps a snapshot of the catalog and reloads it when the version moved."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    version = models.BigIntegerField(default=1)
+
+    class Meta:
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="catalog_version_single_row")]
+
+    def __str__(self) -> str:
+        return f"catalog v{self.version}"
