@@ -1,5 +1,21 @@
 """Django's admin autodiscovery entry: the pages themselves live in ``budgeting/backoffice/``."""
 
-from budgeting.backoffice import billing_admin, kit, ledger_admin
+from budgeting.backoffice import (
+    account_admin,
+    billing_admin,
+    catalog_admin,
+    changelog_admin,
+    manifest_admin,
+    policy_admin,
+    reservation_admin,
+)
 
-__all__ = ["billing_admin", "kit", "ledger_admin"]
+__all__ = [
+    "account_admin",
+    "billing_admin",
+    "catalog_admin",
+    "changelog_admin",
+    "manifest_admin",
+    "policy_admin",
+    "reservation_admin",
+]

@@ -3,29 +3,48 @@
 Finance uploads a provider's billing export from the imports list ("Import a billing export…"); the import
 itself is ``reconciliation.billing.import_export`` (it settles RECONCILING reservations at the billed usage
 and records findings). Everything here is read-only otherwise. The RECONCILING backlog is a page of the
-reservations admin (``ledger.admin``), linked from the imports list.
+reservations admin (``reservation_admin``), linked from the imports list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.urls import URLPattern, path, reverse
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting.admin_services import record_change
-from budgeting.backoffice.kit import ReadOnlyAdmin, ReasonForm, actor, change_url, confirm_page, require
+from budgeting.backoffice.kit import ReadOnlyAdmin, ReasonForm, actor, change_url, confirm_page, link, require
+from budgeting.backoffice.reservation_admin import link_to_reservation
+from budgeting.catalog.changes import record_change
 from ledger.models import Reservation
 from reconciliation import billing
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
 
 MAX_EXPORT_BYTES = 50 * 1024 * 1024
+
+# The findings the imports list counts, by the annotation that holds the count.
+FINDING_COUNTS = {
+    "n_duplicates": FindingKind.DUPLICATE,
+    "n_missing": FindingKind.MISSING,
+    "n_mismatches": FindingKind.MISMATCH,
+    "n_drifting": FindingKind.BUCKET_DRIFT,
+}
+
+
+def _count_column(annotation: str, title: str) -> Callable[[Any, BillingImport], int]:
+    """A list column showing one of the import's finding counts, sortable by it."""
+
+    def column(model_admin: Any, obj: BillingImport) -> int:
+        return int(getattr(obj, annotation))
+
+    return admin.display(description=title, ordering=annotation)(column)
 
 
 class ImportForm(ReasonForm):
@@ -74,64 +93,32 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
     change_form_template = "admin/reconciliation/billingimport/change_form.html"
     change_list_template = "admin/reconciliation/billingimport/change_list.html"
 
+    duplicates = _count_column("n_duplicates", "duplicates")
+    missing = _count_column("n_missing", "missing")
+    mismatches = _count_column("n_mismatches", "mismatches")
+    drifting_buckets = _count_column("n_drifting", "drifting buckets")
+
     def get_queryset(self, request: HttpRequest) -> QuerySet[BillingImport]:
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(
-                n_duplicates=Count("findings", filter=_kind(FindingKind.DUPLICATE), distinct=True),
-                n_missing=Count("findings", filter=_kind(FindingKind.MISSING), distinct=True),
-                n_mismatches=Count("findings", filter=_kind(FindingKind.MISMATCH), distinct=True),
-                n_drifting=Count("findings", filter=_kind(FindingKind.BUCKET_DRIFT), distinct=True),
-            )
-        )
+        counts = {
+            annotation: Count("findings", filter=Q(findings__kind=kind), distinct=True)
+            for annotation, kind in FINDING_COUNTS.items()
+        }
+        return super().get_queryset(request).annotate(**counts)
 
-    @admin.display(description="duplicates", ordering="n_duplicates")
-    def duplicates(self, obj: Any) -> int:
-        return int(obj.n_duplicates)
+    def page_context(self, request: HttpRequest, obj: BillingImport) -> dict[str, Any]:
+        findings = obj.findings.all()
+        return {
+            "buckets": obj.buckets.all(),
+            "findings_by_kind": [
+                (label, [f for f in findings if f.kind == kind])
+                for kind, label in FindingKind.choices
+                if any(f.kind == kind for f in findings)
+            ],
+            "billed_requests": obj.billed_requests.count(),
+        }
 
-    @admin.display(description="missing", ordering="n_missing")
-    def missing(self, obj: Any) -> int:
-        return int(obj.n_missing)
-
-    @admin.display(description="mismatches", ordering="n_mismatches")
-    def mismatches(self, obj: Any) -> int:
-        return int(obj.n_mismatches)
-
-    @admin.display(description="drifting buckets", ordering="n_drifting")
-    def drifting_buckets(self, obj: Any) -> int:
-        return int(obj.n_drifting)
-
-    def change_view(
-        self,
-        request: HttpRequest,
-        object_id: str,
-        form_url: str = "",
-        extra_context: dict[str, Any] | None = None,
-    ) -> HttpResponse:
-        billing_import = self.get_object(request, object_id)
-        context = dict(extra_context or {})
-        if billing_import is not None:
-            findings = billing_import.findings.all()
-            context.update(
-                {
-                    "buckets": billing_import.buckets.all(),
-                    "findings_by_kind": [
-                        (label, [f for f in findings if f.kind == kind])
-                        for kind, label in FindingKind.choices
-                        if any(f.kind == kind for f in findings)
-                    ],
-                    "billed_requests": billing_import.billed_requests.count(),
-                }
-            )
-        return super().change_view(request, object_id, form_url, context)
-
-    def get_urls(self) -> list[URLPattern]:
-        wrap = self.admin_site.admin_view
-        return [
-            path("upload/", wrap(self.upload_view), name="reconciliation_billingimport_upload"),
-            *super().get_urls(),
-        ]
+    def page_urls(self) -> list[tuple[str, Callable[..., HttpResponse], str]]:
+        return [("upload/", self.upload_view, "reconciliation_billingimport_upload")]
 
     def upload_view(self, request: HttpRequest) -> HttpResponse:
         """Import a billing export: one call to the reconciliation service, then its summary."""
@@ -175,10 +162,6 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
         )
 
 
-def _kind(kind: str) -> Q:
-    return Q(findings__kind=kind)
-
-
 @admin.register(BillingFinding)
 class BillingFindingAdmin(ReadOnlyAdmin[BillingFinding]):
     list_display = ["id", "kind", "import_link", "provider_request_id", "line", "detail"]
@@ -188,7 +171,7 @@ class BillingFindingAdmin(ReadOnlyAdmin[BillingFinding]):
 
     @admin.display(description="import")
     def import_link(self, obj: BillingFinding) -> SafeString:
-        return format_html('<a href="{}">{}</a>', change_url(obj.billing_import), obj.billing_import)
+        return link(change_url(obj.billing_import), obj.billing_import)
 
 
 @admin.register(BucketDrift)
@@ -242,9 +225,4 @@ class BilledRequestAdmin(ReadOnlyAdmin[BilledRequest]):
         found = Reservation.objects.filter(provider_request_id=obj.provider_request_id).values_list(
             "pk", flat=True
         )
-        pk = found.first()
-        if pk is None:
-            return "—"
-        return format_html(
-            '<a href="{}">{}</a>', reverse("admin:ledger_reservation_change", args=[pk]), str(pk)[:8]
-        )
+        return link_to_reservation(found.first())

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from budgeting.admission.models import Manifest
-from budgeting.backoffice.reports import CONTEXT_OVERFLOW_PATTERN, leak_filter
+from budgeting.backoffice.reports.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
 from ledger.models import Reservation, State
 
 logger = logging.getLogger(__name__)

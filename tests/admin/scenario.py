@@ -12,8 +12,9 @@ from typing import Any
 
 from budgeting.admission.models import Manifest
 from budgeting.catalog.models import ModelPool, ModelRevision, Price, RolloutMode, TaskClass, Tenant
-from ledger import services
 from ledger.models import Reservation
+from ledger.services import admission as ledger_admission
+from ledger.services import lifecycle, settlement
 
 DIGEST = "sha256:" + "b" * 64
 OTHER = "sha256:" + "c" * 64
@@ -109,7 +110,7 @@ def _admit(
         tokens=input_tokens,
         **extra,
     )
-    spec = services.AdmissionSpec(
+    spec = ledger_admission.AdmissionSpec(
         tenant=s.tenant,
         task_class=s.task_class,
         pool=s.pool,
@@ -125,7 +126,7 @@ def _admit(
         manifest_id=manifest.pk,
         minimum_evidence_ids=minimum,
     )
-    reservation = services.reserve(
+    reservation = ledger_admission.reserve(
         spec=spec, build_body=lambda r: {"reservationId": str(r.pk)}, now=_now()
     ).reservation
     s.reservations[name] = reservation
@@ -139,17 +140,17 @@ def _now() -> datetime:
 def _usage(
     s: Scenario, r: Reservation, event: str, output: int, *, final: bool, input_tokens: int | None = None
 ) -> Reservation:
-    return services.record_usage(
+    return lifecycle.record_usage(
         reservation_id=r.pk,
         tenant_ids=[s.tenant.pk],
         fence=r.fence,
-        usage=services.Usage(event, output, input_tokens, final),
+        usage=lifecycle.Usage(event, output, input_tokens, final),
         now=_now(),
     )[0]
 
 
 def _dispatch(s: Scenario, r: Reservation) -> Reservation:
-    return services.dispatch(
+    return lifecycle.dispatch(
         reservation_id=r.pk,
         tenant_ids=[s.tenant.pk],
         fence=r.fence,
@@ -173,7 +174,7 @@ def populate(*, tenant: Tenant, task_class: TaskClass, pool: ModelPool, model: M
     full = _dispatch(s, full)
     full = _usage(s, full, "u1", 50, final=False)
     _usage(s, full, "u2", 30, final=True, input_tokens=990)
-    services.record_outcome(
+    lifecycle.record_outcome(
         reservation_id=full.pk, tenant_ids=ids, task_success=True, cited_evidence_ids=["e1", "e2"]
     )
 
@@ -188,7 +189,7 @@ def populate(*, tenant: Tenant, task_class: TaskClass, pool: ModelPool, model: M
     )
     dedup = _dispatch(s, dedup)
     _usage(s, dedup, "u1", 100, final=True, input_tokens=2000)
-    services.record_outcome(
+    lifecycle.record_outcome(
         reservation_id=dedup.pk, tenant_ids=ids, task_success=False, cited_evidence_ids=["e1"]
     )
 
@@ -205,12 +206,12 @@ def populate(*, tenant: Tenant, task_class: TaskClass, pool: ModelPool, model: M
 
     overflow = _admit(s, "overflow", rung="FULL", input_tokens=800, output_tokens=100)
     overflow = _dispatch(s, overflow)
-    services.fail(
+    lifecycle.fail(
         reservation_id=overflow.pk,
         tenant_ids=ids,
         fence=overflow.fence,
         reason="provider said context_length_exceeded",
-        request_sent=services.RequestSent.YES,
+        request_sent=lifecycle.RequestSent.YES,
         usage=None,
         now=_now(),
     )
@@ -220,7 +221,7 @@ def populate(*, tenant: Tenant, task_class: TaskClass, pool: ModelPool, model: M
     Reservation.objects.filter(pk=unknown.pk).update(
         lease_expires_at=_now() - timedelta(minutes=5), dispatched_at=_now() - timedelta(minutes=40)
     )
-    services.claim_expired_leases(now=_now())
+    settlement.claim_expired_leases(now=_now())
 
     _manifest(
         s,

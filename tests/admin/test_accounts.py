@@ -9,11 +9,13 @@ import pytest
 from django.db import IntegrityError, InternalError, connection, transaction
 from django.urls import reverse
 
-from budgeting import admin_services
-from budgeting.admin_services import SYSTEM, Actor, InvalidChange, LimitsChanged
+from budgeting.catalog.changes import SYSTEM, Actor
+from budgeting.catalog.errors import InvalidChange
 from budgeting.catalog.models import ChangeRecord, PolicyState, PolicyVersion, TemporaryIncrease
-from ledger import selectors, services
+from ledger import selectors
+from ledger.errors import LimitsChanged, QuotaExceeded
 from ledger.models import CapacityAccount, EntryKind, LedgerEntry, Scope
+from ledger.services import limits
 from tests.admin.conftest import login
 from tests.ledger.helpers import admit, catalog, now, run_concurrently, spec, tenant_account
 
@@ -47,7 +49,7 @@ def test_preview_shows_availability_and_flags_a_limit_below_use(scenario):
     account = tenant_acc(scenario)
     in_use = account.input_reserved + account.input_consumed
     assert in_use > 100
-    dims = admin_services.preview_limits(
+    dims = limits.preview_limits(
         account, input_limit=100, output_limit=None, concurrency_limit=account.concurrency_limit
     )
     by_name = {d.name: d for d in dims}
@@ -94,7 +96,7 @@ def test_lowering_below_use_is_warned_needs_acknowledgement_and_then_refuses_adm
     saved = finance.post(limits_url(account), form(account, "confirm", input_limit=100, acknowledge=True))
     assert saved.status_code == 302
     assert CapacityAccount.objects.get(pk=account.pk).input_limit == 100
-    with pytest.raises(services.QuotaExceeded):
+    with pytest.raises(QuotaExceeded):
         admit(spec(cat, input_tokens=1, output_tokens=1))
 
 
@@ -103,7 +105,7 @@ def test_limits_changed_meanwhile_are_not_overwritten(scenario):
     seen = (account.input_limit, account.output_limit, account.concurrency_limit)
     CapacityAccount.objects.filter(pk=account.pk).update(input_limit=5)
     with pytest.raises(LimitsChanged):
-        admin_services.set_account_limits(
+        limits.set_account_limits(
             account_id=account.pk,
             input_limit=9,
             output_limit=seen[1],
@@ -121,7 +123,7 @@ def test_a_limit_edit_never_touches_balances_moved_meanwhile():
     account = tenant_account(cat, input_limit=10_000, output_limit=10_000)
     stale = CapacityAccount.objects.get(pk=account.pk)
     admit(spec(cat, input_tokens=300, output_tokens=30))
-    admin_services.set_account_limits(
+    limits.set_account_limits(
         account_id=stale.pk,
         input_limit=20_000,
         output_limit=10_000,
@@ -137,15 +139,13 @@ def test_a_limit_edit_never_touches_balances_moved_meanwhile():
 
 def test_reason_is_required():
     with pytest.raises(InvalidChange):
-        admin_services.post_correction(
-            account_id=1, input_consumed=1, output_consumed=0, reason=" ", actor=ALICE
-        )
+        limits.post_correction(account_id=1, input_consumed=1, output_consumed=0, reason=" ", actor=ALICE)
 
 
 def test_temporary_increase_raises_limits_until_it_expires_once(scenario):
     account = tenant_acc(scenario)
     start = datetime.now(UTC)
-    increase = admin_services.grant_temporary_increase(
+    increase = limits.grant_temporary_increase(
         account_id=account.pk,
         input_tokens=500_000,
         output_tokens=0,
@@ -157,9 +157,9 @@ def test_temporary_increase_raises_limits_until_it_expires_once(scenario):
     )
     raised = CapacityAccount.objects.get(pk=account.pk)
     assert (raised.input_limit, raised.concurrency_limit) == (1_500_000, 15)
-    assert admin_services.expire_temporary_increases(now=start + timedelta(minutes=59)) == 0
-    assert admin_services.expire_temporary_increases(now=start + timedelta(hours=1)) == 1
-    assert admin_services.expire_temporary_increases(now=start + timedelta(hours=2)) == 0
+    assert limits.expire_temporary_increases(now=start + timedelta(minutes=59)) == 0
+    assert limits.expire_temporary_increases(now=start + timedelta(hours=1)) == 1
+    assert limits.expire_temporary_increases(now=start + timedelta(hours=2)) == 0
     back = CapacityAccount.objects.get(pk=account.pk)
     assert (back.input_limit, back.concurrency_limit) == (1_000_000, 10)
     increase.refresh_from_db()
@@ -175,7 +175,7 @@ def test_an_increase_of_an_unlimited_dimension_is_refused():
     cat = catalog(tenant_slug="t-own")
     account = tenant_account(cat, input_limit=None, output_limit=10)
     with pytest.raises(InvalidChange, match="unlimited"):
-        admin_services.grant_temporary_increase(
+        limits.grant_temporary_increase(
             account_id=account.pk,
             input_tokens=10,
             output_tokens=0,
@@ -193,7 +193,7 @@ def test_two_expiry_runs_at_once_end_an_increase_exactly_once():
     cat = catalog()
     account = tenant_account(cat, input_limit=1000, output_limit=1000)
     start = now()
-    admin_services.grant_temporary_increase(
+    limits.grant_temporary_increase(
         account_id=account.pk,
         input_tokens=100,
         output_tokens=0,
@@ -204,7 +204,7 @@ def test_two_expiry_runs_at_once_end_an_increase_exactly_once():
         now=start,
     )
     results = run_concurrently(
-        6, lambda i: admin_services.expire_temporary_increases(now=start + timedelta(seconds=5))
+        6, lambda i: limits.expire_temporary_increases(now=start + timedelta(seconds=5))
     )
     assert sorted(results) == [0, 0, 0, 0, 0, 1]
     assert CapacityAccount.objects.get(pk=account.pk).input_limit == 1000
@@ -213,14 +213,14 @@ def test_two_expiry_runs_at_once_end_an_increase_exactly_once():
 def test_correction_is_a_new_entry_and_balances_stay_the_sum_of_entries(scenario):
     account = tenant_acc(scenario)
     consumed = account.output_consumed
-    entry = admin_services.post_correction(
+    entry = limits.post_correction(
         account_id=account.pk, input_consumed=0, output_consumed=-30, reason="provider credit", actor=ALICE
     )
     assert (entry.kind, entry.reservation_id, entry.created_by) == (EntryKind.CORRECTION, None, "alice")
     assert CapacityAccount.objects.get(pk=account.pk).output_consumed == consumed - 30
     assert selectors.audit().violations == []
     with pytest.raises(InvalidChange, match="negative"):
-        admin_services.post_correction(
+        limits.post_correction(
             account_id=account.pk, input_consumed=0, output_consumed=-(10**9), reason="r", actor=ALICE
         )
     assert LedgerEntry.objects.filter(kind=EntryKind.CORRECTION, reservation=None).count() == 1

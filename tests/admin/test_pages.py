@@ -12,8 +12,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from budgeting import admin_services
-from budgeting.admin_services import Actor
+from budgeting.catalog.changes import Actor
 from budgeting.catalog.models import (
     ApiToken,
     ChangeRecord,
@@ -23,6 +22,7 @@ from budgeting.catalog.models import (
     Tokenizer,
 )
 from ledger.models import CapacityAccount, Reservation, Scope, State
+from ledger.services import limits
 from reconciliation.models import BillingFinding, BillingImport, FindingKind
 from tests.admin.conftest import login
 from tests.factories import ServiceClientFactory, issue_token
@@ -223,7 +223,7 @@ def test_billing_import_upload_settles_reconciling_and_reports_duplicates(users,
 
 def test_revoking_a_temporary_increase_from_the_list_takes_it_back(users, scenario):
     account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant=scenario.tenant)
-    increase = admin_services.grant_temporary_increase(
+    increase = limits.grant_temporary_increase(
         account_id=account.pk,
         input_tokens=0,
         output_tokens=5000,
@@ -245,7 +245,7 @@ def test_revoking_a_temporary_increase_from_the_list_takes_it_back(users, scenar
 
 def test_change_record_page_shows_before_and_after(users, scenario):
     account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant=scenario.tenant)
-    admin_services.post_correction(
+    limits.post_correction(
         account_id=account.pk,
         input_consumed=-5,
         output_consumed=0,

@@ -9,12 +9,12 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from budgeting.admin_services import Actor
 from budgeting.admission.count_cache import RedisCountCache
-from budgeting.api.problems import Conflict
+from budgeting.catalog import policies as policy_services
+from budgeting.catalog.changes import Actor
+from budgeting.catalog.errors import Conflict
 from budgeting.catalog.models import ChangeRecord, PolicyAlias, PolicyState, PolicyVersion
 from budgeting.catalog.policies import AliasMoved, NothingToRollBack, NotValidated
-from budgeting.catalog import policies as policy_services
 from tests.admin.conftest import login, policy_document
 from tests.ledger.helpers import run_concurrently
 

@@ -1,0 +1,414 @@
+"""The capacity accounts' admin: balances at a glance, and the three changes an account's page offers (edit
+limits, grant a temporary increase, post a correction), plus the list of temporary increases.
+
+Balances change only through ``ledger.services.limits``: each change is a form, then a confirmation page
+showing its effect, then one service call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from budgeting.backoffice.account_display import (
+    available_figure,
+    compact,
+    dimensions,
+    figure,
+    limit_rows,
+    limit_warnings,
+    usage_bar,
+)
+from budgeting.backoffice.kit import (
+    ReadOnlyAdmin,
+    ReasonForm,
+    Row,
+    StepForm,
+    actor,
+    admin_page,
+    change_url,
+    link,
+    recent_changes,
+    require,
+    two_step_page,
+)
+from budgeting.catalog.models import TemporaryIncrease
+from ledger.models import CapacityAccount, LedgerEntry
+from ledger.periods import period_start_for
+from ledger.services import limits
+
+
+class OptionalInt(forms.IntegerField):
+    """An optional non-negative integer limit; empty means unlimited."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(required=False, min_value=0, **kwargs)
+
+
+class LimitsForm(StepForm):
+    input_limit = OptionalInt(label="Input tokens per period")
+    output_limit = OptionalInt(label="Output tokens per period")
+    concurrency_limit = OptionalInt(label="Concurrent requests")
+    expected_input = OptionalInt(widget=forms.HiddenInput)
+    expected_output = OptionalInt(widget=forms.HiddenInput)
+    expected_concurrency = OptionalInt(widget=forms.HiddenInput)
+    acknowledge = forms.BooleanField(
+        required=False, label="I understand that new requests will be refused on this account"
+    )
+    field_order = ["input_limit", "output_limit", "concurrency_limit", "reason"]
+
+
+class IncreaseForm(StepForm):
+    input_tokens = forms.IntegerField(min_value=0, label="Extra input tokens")
+    output_tokens = forms.IntegerField(min_value=0, label="Extra output tokens")
+    concurrency = forms.IntegerField(min_value=0, label="Extra concurrent requests")
+    expires_at = forms.DateTimeField(
+        label="Expires at (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
+    )
+    field_order = ["input_tokens", "output_tokens", "concurrency", "expires_at", "reason"]
+
+    def clean_expires_at(self) -> datetime:
+        value: datetime = self.cleaned_data["expires_at"]
+        if value <= timezone.now():
+            raise forms.ValidationError("must be in the future")
+        return value
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if not any(data.get(k) for k in ("input_tokens", "output_tokens", "concurrency")):
+            raise forms.ValidationError("Increase at least one dimension.")
+        return data
+
+
+class CorrectionForm(StepForm):
+    input_consumed = forms.IntegerField(label="Input consumed (±tokens)")
+    output_consumed = forms.IntegerField(label="Output consumed (±tokens)")
+    field_order = ["input_consumed", "output_consumed", "reason"]
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if not data.get("input_consumed") and not data.get("output_consumed"):
+            raise forms.ValidationError("A correction must change input or output consumed.")
+        return data
+
+
+def _compact_column(field: str) -> Callable[[Any, CapacityAccount], SafeString]:
+    """A list column showing one balance of the account, compacted, sortable by it."""
+
+    def column(model_admin: Any, obj: CapacityAccount) -> SafeString:
+        return compact(getattr(obj, field))
+
+    return admin.display(description=field.replace("_", " "), ordering=field)(column)
+
+
+def _available_column(dimension: str) -> Callable[[Any, CapacityAccount], SafeString]:
+    """A list column showing what is left of a dimension's limit for new requests."""
+
+    def column(model_admin: Any, obj: CapacityAccount) -> SafeString:
+        used = getattr(obj, f"{dimension}_reserved") + getattr(obj, f"{dimension}_consumed")
+        return available_figure(getattr(obj, f"{dimension}_limit"), used, narrow=True)
+
+    return admin.display(description=f"{dimension} available")(column)
+
+
+@admin.register(CapacityAccount)
+class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
+    list_display = [
+        "label",
+        "usage",
+        "input_limit_col",
+        "input_reserved_col",
+        "input_consumed_col",
+        "input_available",
+        "output_limit_col",
+        "output_reserved_col",
+        "output_consumed_col",
+        "output_available",
+        "in_flight_col",
+    ]
+    list_filter = ["scope", "period", "tenant", "task_class", "pool"]
+    search_fields = ["tenant__slug", "tenant__name", "task_class__slug", "pool__slug"]
+    change_form_template = "admin/ledger/capacityaccount/change_form.html"
+    change_list_template = "admin/tokenbudget/wide_change_list.html"
+    fields = ["scope", "tenant", "task_class", "pool", "period", "period_start", "updated_at"]
+
+    input_limit_col = _compact_column("input_limit")
+    input_reserved_col = _compact_column("input_reserved")
+    input_consumed_col = _compact_column("input_consumed")
+    input_available = _available_column("input")
+    output_limit_col = _compact_column("output_limit")
+    output_reserved_col = _compact_column("output_reserved")
+    output_consumed_col = _compact_column("output_consumed")
+    output_available = _available_column("output")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[CapacityAccount]:
+        return super().get_queryset(request).select_related("tenant", "task_class", "pool")
+
+    @admin.display(description="account", ordering="id")
+    def label(self, obj: CapacityAccount) -> SafeString:
+        stale = obj.period_start < period_start_for(obj.period, timezone.now())
+        return format_html(
+            '<span style="white-space:nowrap">{}</span><br><small class="tb-muted">{} · since {}{}</small>',
+            obj,
+            obj.period.lower(),
+            f"{obj.period_start:%Y-%m-%d}",
+            " · roll-over pending" if stale else "",
+        )
+
+    @admin.display(description="in flight", ordering="in_flight")
+    def in_flight_col(self, obj: CapacityAccount) -> str:
+        return f"{obj.in_flight:,} / {figure(obj.concurrency_limit)}"
+
+    @admin.display(description="usage")
+    def usage(self, obj: CapacityAccount) -> SafeString:
+        used = limits.used(obj)
+        return format_html(
+            '<div class="tb-bars">{}{}{}</div>',
+            usage_bar("in", used["input"], obj.input_limit),
+            usage_bar("out", used["output"], obj.output_limit),
+            usage_bar("conc", used["concurrency"], obj.concurrency_limit),
+        )
+
+    def page_context(self, request: HttpRequest, obj: CapacityAccount) -> dict[str, Any]:
+        return {
+            "dimensions": dimensions(obj),
+            "increases": TemporaryIncrease.objects.filter(account=obj, ended_at__isnull=True),
+            "entries": LedgerEntry.objects.filter(account=obj)
+            .select_related("reservation")
+            .order_by("-id")[:25],
+            "changes": recent_changes(obj),
+            "can_edit_limits": request.user.has_perm("ledger.change_capacityaccount"),
+            "can_increase": request.user.has_perm("budgeting.add_temporaryincrease"),
+            "can_correct": request.user.has_perm("ledger.add_ledgerentry"),
+        }
+
+    def page_urls(self) -> list[tuple[str, Callable[..., HttpResponse], str]]:
+        return [
+            ("<int:account_id>/limits/", self.limits_view, "ledger_capacityaccount_limits"),
+            ("<int:account_id>/increase/", self.increase_view, "ledger_capacityaccount_increase"),
+            ("<int:account_id>/correction/", self.correction_view, "ledger_capacityaccount_correction"),
+        ]
+
+    def limits_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
+        require(request, "ledger.change_capacityaccount")
+        account = self.object_or_403(request, account_id)
+        current = (account.input_limit, account.output_limit, account.concurrency_limit)
+
+        def previewed(data: dict[str, Any]) -> list[limits.DimensionPreview]:
+            return limits.preview_limits(
+                account,
+                input_limit=data["input_limit"],
+                output_limit=data["output_limit"],
+                concurrency_limit=data["concurrency_limit"],
+            )
+
+        def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
+            dims = previewed(data)
+            return limit_rows(dims), limit_warnings(dims)
+
+        def apply(data: dict[str, Any]) -> str:
+            limits.set_account_limits(
+                account_id=account.pk,
+                input_limit=data["input_limit"],
+                output_limit=data["output_limit"],
+                concurrency_limit=data["concurrency_limit"],
+                expected=(data["expected_input"], data["expected_output"], data["expected_concurrency"]),
+                reason=data["reason"],
+                actor=actor(request),
+            )
+            return f"Limits of {account} saved."
+
+        return two_step_page(
+            request,
+            self,
+            account,
+            LimitsForm,
+            title=f"Edit limits of {account}",
+            lead="Empty means unlimited. The preview shows what is left for new requests; lowering a limit "
+            "below current use is allowed (running calls are not affected) but new requests are refused "
+            "until usage falls or the period rolls over.",
+            submit="Save limits",
+            preview=preview,
+            apply=apply,
+            initial={
+                "input_limit": current[0],
+                "output_limit": current[1],
+                "concurrency_limit": current[2],
+                "expected_input": current[0],
+                "expected_output": current[1],
+                "expected_concurrency": current[2],
+                "step": "edit",
+            },
+            edit_context={"dimensions": dimensions(account), "live_preview": True},
+            needs_acknowledgement=lambda data: any(d.below_use and d.changed for d in previewed(data)),
+        )
+
+    def increase_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
+        require(request, "budgeting.add_temporaryincrease")
+        account = self.object_or_403(request, account_id)
+
+        def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
+            rows: list[Row] = []
+            warnings = []
+            for name, limit, extra in (
+                ("input limit", account.input_limit, data["input_tokens"]),
+                ("output limit", account.output_limit, data["output_tokens"]),
+                ("concurrency limit", account.concurrency_limit, data["concurrency"]),
+            ):
+                if extra and limit is None:
+                    warnings.append(f"{name} is unlimited: there is nothing to increase.")
+                rows.append((name, figure(limit), figure(None if limit is None else limit + extra), False))
+            rows.append(("until", "", f"{data['expires_at']:%Y-%m-%d %H:%M} UTC", False))
+            return rows, warnings
+
+        def apply(data: dict[str, Any]) -> str:
+            limits.grant_temporary_increase(
+                account_id=account.pk,
+                input_tokens=data["input_tokens"],
+                output_tokens=data["output_tokens"],
+                concurrency=data["concurrency"],
+                expires_at=data["expires_at"],
+                reason=data["reason"],
+                actor=actor(request),
+                now=timezone.now(),
+            )
+            return f"Temporary increase on {account} granted until {data['expires_at']:%Y-%m-%d %H:%M} UTC."
+
+        return two_step_page(
+            request,
+            self,
+            account,
+            IncreaseForm,
+            title=f"Temporary increase on {account}",
+            lead="The amounts are added to the limits now and taken off again at the expiry.",
+            submit="Grant increase",
+            preview=preview,
+            apply=apply,
+            initial={"input_tokens": 0, "output_tokens": 0, "concurrency": 0, "step": "edit"},
+            edit_context={"dimensions": dimensions(account)},
+        )
+
+    def correction_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
+        require(request, "ledger.add_ledgerentry")
+        account = self.object_or_403(request, account_id)
+
+        def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
+            new_input = account.input_consumed + data["input_consumed"]
+            new_output = account.output_consumed + data["output_consumed"]
+            warnings = ["A consumed balance would go negative."] if min(new_input, new_output) < 0 else []
+            return [
+                ("input consumed", figure(account.input_consumed), figure(new_input), new_input < 0),
+                ("output consumed", figure(account.output_consumed), figure(new_output), new_output < 0),
+            ], warnings
+
+        def apply(data: dict[str, Any]) -> str:
+            entry = limits.post_correction(
+                account_id=account.pk,
+                input_consumed=data["input_consumed"],
+                output_consumed=data["output_consumed"],
+                reason=data["reason"],
+                actor=actor(request),
+            )
+            return f"Correction #{entry.pk} posted on {account}."
+
+        return two_step_page(
+            request,
+            self,
+            account,
+            CorrectionForm,
+            title=f"Post a correction on {account}",
+            lead="A correction is a new ledger entry (negative to give tokens back, positive to charge); "
+            "existing entries are never edited. Reserved balances belong to live reservations and cannot be "
+            "corrected here.",
+            submit="Post correction",
+            preview=preview,
+            apply=apply,
+            initial={"input_consumed": 0, "output_consumed": 0, "step": "edit"},
+            edit_context={"dimensions": dimensions(account)},
+        )
+
+
+@admin.register(TemporaryIncrease)
+class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
+    """Granted from an account's page; here they are listed, revoked early, or ended when due."""
+
+    list_display = [
+        "account_link",
+        "input_tokens",
+        "output_tokens",
+        "concurrency",
+        "starts_at",
+        "expires_at",
+        "status",
+        "created_by",
+        "reason",
+    ]
+    list_filter = [("ended_at", admin.EmptyFieldListFilter), "expires_at"]
+    search_fields = ["reason", "created_by", "account__tenant__slug", "account__pool__slug"]
+    actions = ["revoke", "end_expired"]
+    list_select_related = ["account__tenant", "account__task_class", "account__pool"]
+
+    @admin.display(description="account")
+    def account_link(self, obj: TemporaryIncrease) -> str:
+        return link(change_url(obj.account), obj.account)
+
+    @admin.display(description="status")
+    def status(self, obj: TemporaryIncrease) -> str:
+        if obj.ended_at is None:
+            return "active" if obj.expires_at > timezone.now() else "due to end"
+        return f"ended {obj.ended_at:%Y-%m-%d %H:%M} ({obj.end_reason})"
+
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+        actions = super().get_actions(request)
+        if not request.user.has_perm("budgeting.change_temporaryincrease"):
+            actions.pop("revoke", None)
+            actions.pop("end_expired", None)
+        return actions
+
+    @admin.action(description="Revoke the selected increases now…")
+    def revoke(self, request: HttpRequest, queryset: QuerySet[TemporaryIncrease]) -> HttpResponse | None:
+        require(request, "budgeting.change_temporaryincrease")
+        active = list(queryset.filter(ended_at__isnull=True).select_related("account"))
+        form = ReasonForm(request.POST if "reason" in request.POST else None)
+        if form.is_valid():
+            now = timezone.now()
+            ended = sum(
+                limits.end_temporary_increase(
+                    increase_id=i.pk,
+                    reason=f"revoked: {form.cleaned_data['reason']}",
+                    actor=actor(request),
+                    now=now,
+                )
+                for i in active
+            )
+            messages.success(request, f"{ended} temporary increase(s) revoked; their limits are taken back.")
+            return None
+        return admin_page(
+            request,
+            self,
+            "admin/tokenbudget/action_confirm.html",
+            {
+                "title": "Revoke temporary increases",
+                "lead": "The increases end now and their amounts are taken off the accounts' limits.",
+                "objects": active,
+                "form": form,
+                "action": "revoke",
+                "submit": "Revoke",
+                "danger": True,
+            },
+        )
+
+    @admin.action(description="End the increases whose expiry has passed")
+    def end_expired(self, request: HttpRequest, queryset: QuerySet[TemporaryIncrease]) -> None:
+        require(request, "budgeting.change_temporaryincrease")
+        ended = limits.expire_temporary_increases(now=timezone.now())
+        messages.success(request, f"{ended} expired increase(s) ended.")

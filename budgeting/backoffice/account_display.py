@@ -1,0 +1,133 @@
+"""How a capacity account's figures are shown: numbers, usage bars, the per-dimension table and the rows and
+warnings of a limit change's preview."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+from budgeting.backoffice.kit import Row
+from ledger.models import CapacityAccount
+from ledger.services.limits import DimensionPreview
+
+WARN_AT = 0.8
+
+
+def figure(value: int | None) -> str:
+    """A limit or balance with thousands separators; no limit is "∞"."""
+    return "∞" if value is None else f"{value:,}"
+
+
+def compact(value: int | None) -> SafeString:
+    """Millions as "99.99 M" for the list's narrow columns; the exact figure is in the tooltip."""
+    if value is None or abs(value) < 1_000_000:
+        return format_html("{}", figure(value))
+    return format_html('<span title="{}">{} M</span>', f"{value:,}", f"{value / 1_000_000:,.2f}")
+
+
+def available_figure(limit: int | None, used: int, *, narrow: bool = False) -> SafeString:
+    """What is left for new requests; negative (over the limit) in red."""
+    if limit is None:
+        return format_html("{}", "∞")
+    left = limit - used
+    if left < 0:
+        return format_html('<span class="tb-neg" title="over the limit">{}</span>', f"{left:,}")
+    return compact(left) if narrow else format_html("{}", f"{left:,}")
+
+
+def _share(used: int, limit: int | None) -> float | None:
+    if limit is None:
+        return None
+    return 1.0 if limit == 0 else used / limit
+
+
+def usage_bar(label: str, used: int, limit: int | None) -> SafeString:
+    """A thin horizontal bar of used/limit, amber from 80 %, red at or over the limit."""
+    share = _share(used, limit)
+    if share is None:
+        return format_html('<div class="tb-bar tb-bar-none" title="unlimited">{} ∞</div>', label)
+    level = "over" if share >= 1 else "warn" if share >= WARN_AT else "ok"
+    return format_html(
+        '<div class="tb-bar tb-bar-{}" title="{}: {} of {}">'
+        '<span style="width:{}%"></span><em>{} {}%</em></div>',
+        level,
+        label,
+        figure(used),
+        figure(limit),
+        f"{min(share, 1.0) * 100:.1f}",
+        label,
+        f"{share * 100:.0f}",
+    )
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One row of an account's table: input, output or concurrency."""
+
+    name: str
+    limit: int | None
+    reserved: int
+    consumed: int
+    used: int
+    bar: SafeString
+
+    @property
+    def available(self) -> SafeString:
+        return available_figure(self.limit, self.used)
+
+    @property
+    def limit_text(self) -> str:
+        return figure(self.limit)
+
+    @property
+    def reserved_text(self) -> str:
+        return figure(self.reserved)
+
+    @property
+    def consumed_text(self) -> str:
+        return figure(self.consumed)
+
+    @property
+    def used_text(self) -> str:
+        return figure(self.used)
+
+
+def dimensions(account: CapacityAccount) -> list[Dimension]:
+    """The account's three dimensions; concurrency's reserved is what is in flight, and it consumes none."""
+    balances = [
+        ("input", account.input_limit, account.input_reserved, account.input_consumed),
+        ("output", account.output_limit, account.output_reserved, account.output_consumed),
+        ("concurrency", account.concurrency_limit, account.in_flight, 0),
+    ]
+    return [
+        Dimension(
+            name, limit, reserved, consumed, reserved + consumed, usage_bar(name, reserved + consumed, limit)
+        )
+        for name, limit, reserved, consumed in balances
+    ]
+
+
+def limit_rows(dims: list[DimensionPreview]) -> list[Row]:
+    rows: list[Row] = []
+    for d in dims:
+        rows.append((f"{d.name} limit", figure(d.old_limit), figure(d.new_limit), False))
+        rows.append(
+            (
+                f"{d.name} available (in use {d.used:,})",
+                figure(d.old_available),
+                figure(d.new_available),
+                d.below_use,
+            )
+        )
+    return rows
+
+
+def limit_warnings(dims: list[DimensionPreview]) -> list[str]:
+    return [
+        f"The new {d.name} limit ({d.new_limit:,}) is below current use ({d.used:,}): new requests will be "
+        "refused on this account until usage falls or the period rolls over."
+        for d in dims
+        if d.below_use and d.changed and d.new_limit is not None
+    ]

@@ -1,0 +1,308 @@
+"""The catalog's admin: tenants, task classes, pools, tokenizers, model revisions, service clients with their
+tokens, and prices.
+
+Each is edited with a form that asks for a reason, and every save lands in the change log. Issuing and
+revoking a service client's tokens are buttons that open a confirmation page and make one service call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from django import forms
+from django.conf import settings
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html
+
+from budgeting.backoffice.kit import (
+    AuditedAdmin,
+    AuditedForm,
+    ReadOnly,
+    ReasonForm,
+    actor,
+    admin_page,
+    change_url,
+    confirm_page,
+    require,
+)
+from budgeting.catalog import tokens
+from budgeting.catalog.models import (
+    CAPABILITIES,
+    TEMPLATE_FAMILIES,
+    ApiToken,
+    ModelPool,
+    ModelRevision,
+    Price,
+    ServiceClient,
+    TaskClass,
+    Tenant,
+    Tokenizer,
+)
+from budgeting.catalog.tokenizer_assets import sha256_file
+from ladder.counting import upper_bound_rule
+
+
+@admin.register(Tenant)
+class TenantAdmin(AuditedAdmin[Tenant]):
+    list_display = ["slug", "name", "internal", "rollout_mode", "created_at"]
+    list_filter = ["internal", "rollout_mode"]
+    search_fields = ["slug", "name"]
+    fields = ["slug", "name", "internal", "rollout_mode"]
+
+
+@admin.register(TaskClass)
+class TaskClassAdmin(AuditedAdmin[TaskClass]):
+    list_display = [
+        "slug",
+        "input_cap",
+        "max_output_cap",
+        "queue_allowed",
+        "queue_deadline_seconds",
+        "ramp_percent",
+    ]
+    list_filter = ["queue_allowed"]
+    search_fields = ["slug", "description"]
+    fields = [
+        "slug",
+        "description",
+        "input_cap",
+        "max_output_cap",
+        "queue_allowed",
+        "queue_deadline_seconds",
+        "ramp_percent",
+        "tenant_account_defaults",
+    ]
+
+
+@admin.register(ModelPool)
+class ModelPoolAdmin(AuditedAdmin[ModelPool]):
+    list_display = ["slug", "region", "provider_base_url"]
+    search_fields = ["slug", "region"]
+    fields = ["slug", "region", "provider_base_url"]
+
+
+class TokenizerForm(AuditedForm):
+    """The digest and the upper-bound rule are read from the file, never typed: saving after the file under
+    TOKENIZER_DIR was replaced records the new digest (a hot swap)."""
+
+    class Meta:
+        model = Tokenizer
+        fields = ["name", "family", "source", "file_name", "nfkc"]
+
+    def clean_file_name(self) -> str:
+        name = str(self.cleaned_data["file_name"])
+        folder = Path(settings.TOKENIZER_DIR).resolve()
+        file = (folder / name).resolve()
+        if file.parent != folder or not file.is_file():
+            raise forms.ValidationError(f"no file {name!r} in {folder}")
+        try:
+            rule = upper_bound_rule(json.loads(file.read_bytes()))
+        except ValueError:
+            raise forms.ValidationError(f"{name} is not a tokenizer JSON file") from None
+        self.instance.digest = "sha256:" + sha256_file(file)
+        self.instance.upper_bound_rule = rule or ""
+        return name
+
+
+@admin.register(Tokenizer)
+class TokenizerAdmin(AuditedAdmin[Tokenizer]):
+    form = TokenizerForm
+    list_display = ["name", "family", "file_name", "short_digest", "nfkc", "upper_bound_rule"]
+    search_fields = ["name", "digest"]
+    readonly_fields = ["digest", "upper_bound_rule", "created_at"]
+
+    @admin.display(description="digest")
+    def short_digest(self, obj: Tokenizer) -> str:
+        return obj.digest[:19] + "…"
+
+
+class ModelRevisionForm(AuditedForm):
+    class Meta:
+        model = ModelRevision
+        fields = [
+            "name",
+            "tokenizer",
+            "pools",
+            "context_window",
+            "max_output",
+            "template_family",
+            "image_formula",
+            "capabilities",
+            "data_residency",
+            "safety_tier",
+        ]
+
+    def clean_capabilities(self) -> list[str]:
+        value = self.cleaned_data["capabilities"]
+        if not isinstance(value, list) or any(c not in CAPABILITIES for c in value):
+            raise forms.ValidationError(f"a list drawn from {sorted(CAPABILITIES)}")
+        return sorted(set(value))
+
+    def clean_template_family(self) -> str:
+        value = str(self.cleaned_data["template_family"])
+        if value not in TEMPLATE_FAMILIES:
+            raise forms.ValidationError(f"one of {sorted(TEMPLATE_FAMILIES)}")
+        return value
+
+
+@admin.register(ModelRevision)
+class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
+    form = ModelRevisionForm
+    list_display = [
+        "name",
+        "tokenizer",
+        "context_window",
+        "max_output",
+        "template_family",
+        "data_residency",
+        "safety_tier",
+        "pool_list",
+    ]
+    list_filter = ["template_family", "data_residency", "pools"]
+    search_fields = ["name"]
+    filter_horizontal = ["pools"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ModelRevision]:
+        return super().get_queryset(request).select_related("tokenizer").prefetch_related("pools")
+
+    @admin.display(description="pools")
+    def pool_list(self, obj: ModelRevision) -> str:
+        return ", ".join(p.slug for p in obj.pools.all())
+
+
+class ApiTokenInline(ReadOnly, admin.TabularInline[ApiToken, ServiceClient]):
+    model = ApiToken
+    extra = 0
+    fields = ("prefix", "created_at", "revoked_at", "revoke")
+    readonly_fields = ("prefix", "created_at", "revoked_at", "revoke")
+
+    @admin.display(description="")
+    def revoke(self, token: ApiToken) -> str:
+        if token.revoked_at is not None:
+            return "revoked"
+        url = reverse("admin:budgeting_serviceclient_revoke_token", args=[token.client_id, token.pk])
+        return format_html('<a class="button" href="{}">Revoke…</a>', url)
+
+
+class RotateForm(ReasonForm):
+    revoke_current = forms.BooleanField(
+        required=False, initial=False, label="Revoke the client's current tokens now"
+    )
+
+
+@admin.register(ServiceClient)
+class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
+    list_display = ["name", "is_active", "tenant_list", "active_tokens"]
+    list_filter = ["is_active"]
+    search_fields = ["name"]
+    fields = ["name", "is_active", "tenants"]
+    filter_horizontal = ["tenants"]
+    inlines = [ApiTokenInline]
+    change_form_template = "admin/budgeting/serviceclient/change_form.html"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ServiceClient]:
+        return super().get_queryset(request).prefetch_related("tenants", "tokens")
+
+    @admin.display(description="tenants")
+    def tenant_list(self, obj: ServiceClient) -> str:
+        return ", ".join(t.slug for t in obj.tenants.all())
+
+    @admin.display(description="active tokens")
+    def active_tokens(self, obj: ServiceClient) -> int:
+        return sum(1 for t in obj.tokens.all() if t.revoked_at is None)
+
+    def page_urls(self) -> list[tuple[str, Callable[..., HttpResponse], str]]:
+        return [
+            ("<int:client_id>/rotate/", self.rotate_view, "budgeting_serviceclient_rotate"),
+            (
+                "<int:client_id>/tokens/<int:token_id>/revoke/",
+                self.revoke_token_view,
+                "budgeting_serviceclient_revoke_token",
+            ),
+        ]
+
+    def rotate_view(self, request: HttpRequest, client_id: int) -> HttpResponse:
+        require(request, "budgeting.add_apitoken")
+        client = self.object_or_403(request, client_id)
+        form = RotateForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            issued = tokens.rotate_token(
+                client_id=client.pk,
+                revoke_current=form.cleaned_data["revoke_current"],
+                reason=form.cleaned_data["reason"],
+                actor=actor(request),
+                now=timezone.now(),
+            )
+            return admin_page(
+                request,
+                self,
+                "admin/budgeting/serviceclient/token_issued.html",
+                {"original": client, "title": f"New token for {client}", "issued": issued},
+            )
+        return confirm_page(
+            request,
+            self,
+            obj=client,
+            title=f"Rotate the token of {client}",
+            lead="A new token is issued and shown once. Revoke the current tokens now, or leave them active "
+            "until the gateways have switched and revoke them then.",
+            form=form,
+            submit="Issue new token",
+            cancel_url=change_url(client),
+        )
+
+    def revoke_token_view(self, request: HttpRequest, client_id: int, token_id: int) -> HttpResponse:
+        require(request, "budgeting.change_apitoken")
+        token = ApiToken.objects.filter(pk=token_id, client_id=client_id).select_related("client").first()
+        if token is None:
+            raise PermissionDenied
+        form = ReasonForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            tokens.revoke_token(
+                token_id=token.pk,
+                reason=form.cleaned_data["reason"],
+                actor=actor(request),
+                now=timezone.now(),
+            )
+            messages.success(request, f"Token {token.prefix}… revoked.")
+            return HttpResponseRedirect(change_url(token.client))
+        return confirm_page(
+            request,
+            self,
+            obj=token.client,
+            title=f"Revoke token {token.prefix}…",
+            lead="Gateways still using this token will get 401 from their next request.",
+            form=form,
+            submit="Revoke token",
+            cancel_url=change_url(token.client),
+            danger=True,
+        )
+
+
+@admin.register(Price)
+class PriceAdmin(AuditedAdmin[Price]):
+    list_display = [
+        "model_revision",
+        "effective_from",
+        "currency",
+        "input_per_million",
+        "output_per_million",
+        "note",
+    ]
+    list_filter = ["model_revision", "currency"]
+    date_hierarchy = "effective_from"
+    fields = [
+        "model_revision",
+        "effective_from",
+        "currency",
+        "input_per_million",
+        "output_per_million",
+        "note",
+    ]
