@@ -54,7 +54,7 @@ def prepare(url: str) -> None:
     manage = [sys.executable, str(ROOT / "manage.py")]
     subprocess.run([*manage, "migrate", "-v0"], check=True, env=env, cwd=ROOT)
     subprocess.run(
-        [*manage, "provision", "budgeting/demo/demo.yaml"],
+        [*manage, "provision", "budgeting/demo/demo.yaml", "--yes"],
         check=True,
         env=env,
         cwd=ROOT,

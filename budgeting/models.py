@@ -17,6 +17,7 @@ from budgeting.catalog.models import (
     Tenant,
     Tokenizer,
 )
+from budgeting.provisioning.models import ProvisionedValue
 
 __all__ = [
     "ApiToken",
@@ -28,6 +29,7 @@ __all__ = [
     "PolicyAlias",
     "PolicyVersion",
     "Price",
+    "ProvisionedValue",
     "ServiceClient",
     "TaskClass",
     "TemporaryIncrease",

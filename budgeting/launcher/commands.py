@@ -65,7 +65,7 @@ def prepare_database() -> None:
     try:
         call_command("migrate", interactive=False)
         say(f"provisioning {DEMO_FILE.relative_to(BASE_DIR)}")
-        call_command("provision", str(DEMO_FILE))
+        call_command("provision", str(DEMO_FILE), "--if-empty", "--yes")
         ensure_admin()
         call_command("collectstatic", interactive=False, verbosity=0)
     except CommandError as error:

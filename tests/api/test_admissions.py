@@ -14,7 +14,8 @@ from rest_framework.test import APIClient
 from budgeting.admission.models import Manifest
 from budgeting.admission.orchestrator import in_ramp
 from budgeting.catalog.models import Tenant, Tokenizer
-from budgeting.provisioning.apply import apply_config, load_file
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
 from ladder.templates import Special, Text
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope, State
 
@@ -26,9 +27,7 @@ TOKEN = "tb_demo_gateway_eu_0000000000000000"
 
 @pytest.fixture
 def api(redis_db):
-    from budgeting.provisioning.policy_documents import validate_policy_document
-
-    apply_config(load_file(DEMO), validate_policy=validate_policy_document)
+    apply_config(load_file(DEMO))
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
     return client

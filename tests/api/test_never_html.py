@@ -17,8 +17,8 @@ from django.db import connection
 from rest_framework.test import APIClient
 
 from budgeting.admission import count_cache
-from budgeting.provisioning.apply import apply_config, load_file
-from budgeting.provisioning.policy_documents import validate_policy_document
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
 from ledger.models import Reservation
 from tests.api.test_admissions import DEMO, TOKEN, request_body
 
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def demo_api(redis_db):
-    apply_config(load_file(DEMO), validate_policy=validate_policy_document)
+    apply_config(load_file(DEMO))
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
     return client

@@ -35,11 +35,11 @@ def no_connection_recycling():
 
 @pytest.fixture
 def demo(db, redis_db, no_connection_recycling):
-    from budgeting.provisioning.apply import apply_config, load_file
-    from budgeting.provisioning.policy_documents import validate_policy_document
+    from budgeting.provisioning.apply import apply_config
+    from budgeting.provisioning.source import load_file
     from tests.ledger.helpers import DIGEST
 
-    apply_config(load_file(DEMO), validate_policy=validate_policy_document)
+    apply_config(load_file(DEMO))
     from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
     from ledger.services import admission
     from tests.ledger.helpers import body, now

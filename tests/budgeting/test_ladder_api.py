@@ -15,7 +15,8 @@ from rest_framework.test import APIClient
 
 from budgeting.admission.models import Manifest
 from budgeting.catalog.models import ModelRevision, PolicyAlias, PolicyState, PolicyVersion, Tokenizer
-from budgeting.catalog.provisioning import apply_config, load_file
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
 from budgeting.catalog import selectors as catalog
 from ladder.components import HARD_BUCKETS
 from ladder.counting import CountingUnavailable
@@ -36,9 +37,7 @@ DEGRADING_RUNGS = ["DEDUP_EVIDENCE", "COMPACT_HISTORY", "NARROW_WORKFLOW", "TRIM
 
 def demo_api() -> APIClient:
     """Apply the demo configuration; return a client of its gateway-eu service client."""
-    from budgeting.catalog.policy_documents import validate_policy_document
-
-    apply_config(load_file(DEMO), validate_policy=validate_policy_document)
+    apply_config(load_file(DEMO))
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
     return client

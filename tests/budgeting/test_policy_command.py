@@ -11,8 +11,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from budgeting.catalog.models import PolicyAlias, PolicyVersion
-from budgeting.provisioning.apply import apply_config, load_file
-from budgeting.provisioning.policy_documents import validate_policy_document
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
 
 pytestmark = pytest.mark.django_db
 
@@ -28,7 +28,7 @@ def versions(redis_db):
     v19["document"]["globalMaxInputTokens"] = 90000
     v19["note"] = "raise the global cap"
     doc["policies"]["versions"].append(v19)
-    apply_config(doc, validate_policy=validate_policy_document)
+    apply_config(doc)
     return redis_db
 
 

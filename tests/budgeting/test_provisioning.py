@@ -1,4 +1,5 @@
-"""Declarative provisioning: idempotent, validated, one transaction; tokens hashed."""
+"""Declarative provisioning: idempotent, validated before anything is written, tokens hashed; the command
+shows its plan and asks; the run command's demo file goes only into an empty database."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
+import yaml
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from budgeting.catalog.models import ApiToken, ModelRevision, PolicyVersion, Tenant, Tokenizer, hash_token
-from budgeting.provisioning.apply import ProvisioningError, apply_config, load_file
-from budgeting.provisioning.policy_documents import validate_policy_document
+from budgeting.catalog.models import (
+    ApiToken,
+    ChangeRecord,
+    ModelPool,
+    ModelRevision,
+    PolicyVersion,
+    Tenant,
+    Tokenizer,
+    hash_token,
+)
+from budgeting.provisioning.apply import apply_config, is_empty
+from budgeting.provisioning.source import ProvisioningError, load, load_file
 from ledger.models import CapacityAccount
 
 pytestmark = pytest.mark.django_db
@@ -20,12 +31,8 @@ pytestmark = pytest.mark.django_db
 DEMO = Path(__file__).resolve().parents[2] / "budgeting" / "demo" / "demo.yaml"
 
 
-def apply(doc):
-    return apply_config(doc, validate_policy=validate_policy_document)
-
-
 def test_demo_applies_and_applying_twice_changes_nothing():
-    first = apply(load_file(DEMO))
+    first = apply_config(load_file(DEMO))
     assert first.changed
     assert Tenant.objects.count() == 3
     assert Tenant.objects.filter(internal=True).count() == 1
@@ -33,12 +40,12 @@ def test_demo_applies_and_applying_twice_changes_nothing():
     assert ModelRevision.objects.values("tokenizer").distinct().count() == 2, "two different real tokenizers"
     assert all(t.digest.startswith("sha256:") and len(t.digest) == 71 for t in Tokenizer.objects.all())
     assert CapacityAccount.objects.count() == 6
-    second = apply(load_file(DEMO))
+    second = apply_config(load_file(DEMO))
     assert not second.changed, second.summary()
 
 
 def test_tokens_are_stored_hashed():
-    apply(load_file(DEMO))
+    apply_config(load_file(DEMO))
     token = ApiToken.objects.get()
     assert token.token_hash == hash_token("tb_demo_gateway_eu_0000000000000000")
     assert "tb_demo_gateway_eu_0000000000000000" not in token.token_hash
@@ -55,6 +62,7 @@ def test_tokens_are_stored_hashed():
         (lambda d: d["accounts"][0].update(inputLimit="lots"), "accounts[0].inputLimit"),
         (lambda d: d["taskClasses"][0].update(maxOutputCap=True), "taskClasses[0].maxOutputCap"),
         (lambda d: d["tokenizers"][0].update(file="missing.json"), "tokenizers[0].file"),
+        (lambda d: d["tenants"].append(dict(d["tenants"][1], name="Acme")), "tenant t-19"),
         (
             lambda d: d["policies"]["versions"][0]["document"]["taskClasses"]["summarize"].update(
                 ladder=["TRIM_EVIDENCE"]
@@ -67,7 +75,7 @@ def test_an_invalid_file_names_the_field_and_applies_nothing(mutate, path):
     doc = copy.deepcopy(load_file(DEMO))
     mutate(doc)
     with pytest.raises(ProvisioningError) as err:
-        apply(doc)
+        apply_config(doc)
     assert err.value.path.startswith(path), err.value.path
     assert not Tenant.objects.exists()
     assert not Tokenizer.objects.exists()
@@ -82,7 +90,7 @@ def test_command_reports_the_bad_field(tmp_path):
 
 
 def test_issue_and_revoke_token():
-    apply(load_file(DEMO))
+    apply_config(load_file(DEMO))
     out = StringIO()
     call_command("issue_token", "gateway-us", stdout=out)
     raw = out.getvalue().rsplit(" ", 1)[-1].strip()
@@ -91,3 +99,121 @@ def test_issue_and_revoke_token():
     call_command("issue_token", "gateway-us", "--revoke", raw[:8], stdout=StringIO())
     token.refresh_from_db()
     assert token.revoked_at is not None
+
+
+def provision(*args: str, path: Path = DEMO, stdin=None) -> str:
+    out = StringIO()
+    options = {"stdout": out} if stdin is None else {"stdout": out, "stdin": stdin}
+    call_command("provision", str(path), *args, **options)
+    return out.getvalue()
+
+
+class Terminal(StringIO):
+    """Standard input as a person at a terminal types it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def edited_demo(tmp_path: Path, edit) -> Path:
+    doc = load_file(DEMO)
+    edit(doc)
+    path = tmp_path / DEMO.name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def rename_t20(doc) -> None:
+    doc["tenants"][2]["name"] = "Globex"
+
+
+def test_the_plan_names_each_change_field_by_field_and_a_dry_run_applies_nothing(tmp_path):
+    provision("--yes")
+    out = provision("--dry-run", path=edited_demo(tmp_path, rename_t20))
+    assert '  ~ tenant t-20\n      name: "Globex Support" -> "Globex"\n' in out
+    assert "1 to change (1 field)" in out
+    assert out.rstrip().endswith("dry run: nothing applied")
+    assert Tenant.objects.get(slug="t-20").name == "Globex Support"
+
+
+def test_the_first_plan_lists_what_it_creates_and_the_second_says_no_changes():
+    first = provision("--yes")
+    assert '  + tenant t-19: name "Acme Legal", internal false, rolloutMode "ENFORCE"\n' in first
+    assert "applied: " in first
+    changes = ChangeRecord.objects.count()
+    second = provision("--yes")
+    assert second.splitlines()[-1].startswith("no changes; ")
+    assert ChangeRecord.objects.count() == changes, "a second apply writes nothing"
+
+
+def test_without_yes_it_asks_on_a_terminal_and_refuses_without_one(tmp_path):
+    provision("--yes")
+    path = edited_demo(tmp_path, rename_t20)
+    out = provision(path=path, stdin=Terminal("n\n"))
+    assert "Apply this plan? [y/N] " in out and out.rstrip().endswith("nothing applied")
+    assert Tenant.objects.get(slug="t-20").name == "Globex Support"
+    with pytest.raises(CommandError, match="pass --yes"):
+        provision(path=path, stdin=StringIO())
+    assert Tenant.objects.get(slug="t-20").name == "Globex Support"
+    provision(path=path, stdin=Terminal("y\n"))
+    assert Tenant.objects.get(slug="t-20").name == "Globex"
+
+
+def test_every_change_is_in_the_change_log_under_the_files_name_and_digest(tmp_path):
+    source = load(DEMO).source
+    actor = f"provision:demo.yaml@sha256:{source.digest[:12]}"
+    provision("--yes")
+    entries = ChangeRecord.objects.filter(actor_username=actor)
+    assert entries.filter(action="tenant.add").count() == 3
+    assert entries.filter(action="capacityaccount.add").count() == 6
+    assert entries.filter(action="policy.activate").count() == 1, "the alias moved through its own write path"
+    assert all(source.digest in e.reason for e in entries)
+    path = edited_demo(tmp_path, rename_t20)
+    provision("--yes", path=path)
+    edited = load(path).source
+    (change,) = ChangeRecord.objects.filter(actor_username=f"provision:demo.yaml@sha256:{edited.digest[:12]}")
+    assert (change.action, change.before, change.after) == (
+        "tenant.change",
+        {"name": "Globex Support"},
+        {"name": "Globex"},
+    )
+
+
+def test_the_demo_applies_to_an_empty_database_only(tmp_path):
+    assert is_empty()
+    ModelPool.objects.create(slug="eu-large", region="eu")
+    assert not is_empty(), "any provisioned object makes the database not empty"
+    out = provision("--if-empty", "--yes")
+    assert "not applied: it is applied only to an empty database" in out
+    assert not Tenant.objects.exists()
+    ModelPool.objects.all().delete()
+    provision("--if-empty", "--yes")
+    assert Tenant.objects.count() == 3
+    Tenant.objects.filter(slug="t-20").update(name="Globex after a person's edit")
+    provision("--if-empty", "--yes", path=edited_demo(tmp_path, rename_t20))
+    assert Tenant.objects.get(slug="t-20").name == "Globex after a person's edit"
+
+
+def test_the_run_command_applies_its_demo_only_to_an_empty_database(monkeypatch, capsys):
+    """``./platform run`` prepares the database on every start; only the first start provisions the demo."""
+    from django.core import management
+    from django.db import connections
+
+    from budgeting.launcher.commands import prepare_database
+
+    real_call_command = management.call_command
+
+    def only_provision(name: str, *args: str, **options: object) -> None:
+        if name == "provision":
+            real_call_command(name, *args, **options)
+
+    monkeypatch.setattr(management, "call_command", only_provision)
+    monkeypatch.setattr(connections, "close_all", lambda: None)
+    prepare_database()
+    account = CapacityAccount.objects.get(scope="TENANT", tenant__slug="t-19")
+    assert account.output_limit == 10_000_000
+    CapacityAccount.objects.filter(pk=account.pk).update(output_limit=12_000_000)
+    prepare_database()
+    account.refresh_from_db()
+    assert account.output_limit == 12_000_000
+    assert "demo.yaml not applied: it is applied only to an empty database" in capsys.readouterr().out

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from budgeting.provisioning.apply import apply_config, load_file
-from budgeting.provisioning.policy_documents import validate_policy_document
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
 from simulation.provider import Simulator
 from tests.e2e_faults.harness import DEMO, Platform, point_pools_at
 
@@ -24,6 +24,6 @@ def sim() -> Iterator[Simulator]:
 @pytest.fixture
 def platform(live_server, redis_db, sim: Simulator) -> Platform:
     """The demo configuration applied, its pools' provider adapter pointed at the simulator."""
-    apply_config(load_file(DEMO), validate_policy=validate_policy_document)
+    apply_config(load_file(DEMO))
     point_pools_at(sim.base_url)
     return Platform(api_url=live_server.url, sim=sim)

@@ -1,0 +1,407 @@
+"""Reading a provisioning document: check every field and list the objects it wants (``Wanted``).
+
+Nothing here writes. ``read_document`` raises ProvisioningError naming the first bad field, so an invalid file
+never gets as far as a plan.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+
+from budgeting.catalog.models import (
+    CAPABILITIES,
+    TEMPLATE_FAMILIES,
+    ApiToken,
+    ImageFormula,
+    ModelPool,
+    ModelRevision,
+    PolicyAlias,
+    PolicyState,
+    PolicyVersion,
+    RolloutMode,
+    ServiceClient,
+    TaskClass,
+    Tenant,
+    Tokenizer,
+    hash_token,
+)
+from budgeting.catalog.policies import document_errors
+from budgeting.catalog.tokenizer_assets import sha256_file
+from budgeting.provisioning.source import ProvisioningError, Reader, items
+from ladder.counting import upper_bound_rule
+from ledger.models import CapacityAccount, Period, Scope
+from ledger.periods import period_start_for
+
+NATURAL_KEYS: dict[type[models.Model], str] = {
+    Tokenizer: "name",
+    ModelPool: "slug",
+    ModelRevision: "name",
+    TaskClass: "slug",
+    Tenant: "slug",
+    ServiceClient: "name",
+    PolicyVersion: "revision",
+}
+"""How a file names the objects other objects refer to."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field a file sets: the model field, the file's key for it, and the value the file wants.
+
+    Values are JSON: a relation is the natural key of its target, a many-to-many the sorted natural keys.
+    """
+
+    name: str
+    key: str
+    value: Any
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One object a file describes: how to find it (``lookup``, relations by natural key), the fields the file
+    keeps in line, and values written only when the object is created."""
+
+    kind: str
+    label: str
+    model: type[models.Model]
+    lookup: dict[str, Any]
+    fields: tuple[Field, ...]
+    on_create: dict[str, Any]
+
+
+def _known(model: type[models.Model], named_in_file: list[Wanted]) -> set[Any]:
+    """Natural keys that may be referred to: those in the database and those the file itself describes."""
+    key = NATURAL_KEYS[model]
+    in_file = {w.lookup[key] for w in named_in_file if w.model is model}
+    return set(model._default_manager.values_list(key, flat=True)) | in_file
+
+
+def _wanted(
+    kind: str,
+    label: str,
+    model: type[models.Model],
+    lookup: dict[str, Any],
+    fields: list[tuple[str, str, Any]],
+    on_create: dict[str, Any] | None = None,
+) -> Wanted:
+    return Wanted(kind, label, model, lookup, tuple(Field(n, k, v) for n, k, v in fields), on_create or {})
+
+
+def _limits(r: Reader) -> list[tuple[str, str, Any]]:
+    return [
+        ("period", "period", r.choice("period", {p.value for p in Period}, Period.MONTH)),
+        ("input_limit", "inputLimit", r.positive("inputLimit", required=False, allow_zero=True)),
+        ("output_limit", "outputLimit", r.positive("outputLimit", required=False, allow_zero=True)),
+        (
+            "concurrency_limit",
+            "concurrencyLimit",
+            r.positive("concurrencyLimit", required=False, allow_zero=True),
+        ),
+    ]
+
+
+TOP_LEVEL = {
+    "tokenizers",
+    "modelPools",
+    "modelRevisions",
+    "taskClasses",
+    "tenants",
+    "accounts",
+    "serviceClients",
+    "policies",
+}
+
+
+def read_document(doc: Any, *, now: datetime, tokenizer_dir: Path | None = None) -> list[Wanted]:
+    """The objects a provisioning document describes, in an order that creates what is referred to first.
+
+    Raises ProvisioningError naming the first bad field: unknown fields, wrong types, references to objects
+    neither in the database nor in the file, an object described twice, an invalid policy, a token of another
+    client, or a policy revision whose stored document differs (validated versions are immutable; drafts
+    belong to people).
+    """
+    Reader(doc, "$", TOP_LEVEL)
+    out: list[Wanted] = []
+    out += _tokenizers(doc, tokenizer_dir or Path(settings.TOKENIZER_DIR))
+    out += _pools(doc)
+    out += _model_revisions(doc, _known(Tokenizer, out), _known(ModelPool, out))
+    out += _task_classes(doc)
+    out += _tenants(doc)
+    out += _accounts(doc, now, _known(Tenant, out), _known(TaskClass, out), _known(ModelPool, out))
+    out += _service_clients(doc, _known(Tenant, out))
+    out += _policies(doc, now)
+    seen = set()
+    for w in out:
+        identity = (w.model, tuple(sorted(w.lookup.items())))
+        if identity in seen:
+            raise ProvisioningError(f"{w.kind} {w.label}", "is described twice")
+        seen.add(identity)
+    return out
+
+
+def _tokenizers(doc: dict[str, Any], tokenizer_dir: Path) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "tokenizers"):
+        r = Reader(item, path, {"name", "family", "source", "file", "nfkc"})
+        file_name = r.get("file", str, required=True)
+        file_path = tokenizer_dir / file_name
+        if not file_path.is_file():
+            raise ProvisioningError(f"{path}.file", f"{file_path} does not exist (run ./platform to fetch)")
+        name = r.get("name", str, required=True)
+        try:
+            rule = upper_bound_rule(json.loads(file_path.read_bytes()))
+        except ValueError:
+            raise ProvisioningError(f"{path}.file", f"{file_path} is not a tokenizer JSON file") from None
+        fields = [
+            ("family", "family", r.get("family", str, required=True)),
+            ("source", "source", r.get("source", str, "")),
+            ("file_name", "file", file_name),
+            ("digest", "file (digest)", "sha256:" + sha256_file(file_path)),
+            ("upper_bound_rule", "file (upper bound rule)", rule or ""),
+            ("nfkc", "nfkc", r.get("nfkc", bool, False)),
+        ]
+        out.append(_wanted("tokenizer", name, Tokenizer, {"name": name}, fields))
+    return out
+
+
+def _pools(doc: dict[str, Any]) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "modelPools"):
+        r = Reader(item, path, {"slug", "region", "providerBaseUrl"})
+        slug = r.get("slug", str, required=True)
+        fields = [
+            ("region", "region", r.get("region", str, required=True)),
+            ("provider_base_url", "providerBaseUrl", r.get("providerBaseUrl", str, "")),
+        ]
+        out.append(_wanted("model pool", slug, ModelPool, {"slug": slug}, fields))
+    return out
+
+
+def _model_revisions(doc: dict[str, Any], tokenizers: set[Any], pools: set[Any]) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "modelRevisions"):
+        r = Reader(
+            item,
+            path,
+            {
+                "name",
+                "tokenizer",
+                "pools",
+                "contextWindow",
+                "maxOutput",
+                "templateFamily",
+                "imageFormula",
+                "capabilities",
+                "dataResidency",
+                "safetyTier",
+            },
+        )
+        window = r.positive("contextWindow")
+        max_output = r.positive("maxOutput")
+        assert window is not None and max_output is not None
+        if max_output >= window:
+            raise ProvisioningError(f"{path}.maxOutput", "must be below contextWindow")
+        capabilities = r.get("capabilities", list, [])
+        bad = [c for c in capabilities if c not in CAPABILITIES]
+        if bad:
+            raise ProvisioningError(f"{path}.capabilities", f"unknown capability {bad[0]!r}")
+        name = r.get("name", str, required=True)
+        fields = [
+            ("tokenizer", "tokenizer", r.ref("tokenizer", tokenizers, "tokenizer")),
+            ("pools", "pools", r.refs("pools", pools, "model pool", required=True)),
+            ("context_window", "contextWindow", window),
+            ("max_output", "maxOutput", max_output),
+            ("template_family", "templateFamily", r.choice("templateFamily", TEMPLATE_FAMILIES)),
+            (
+                "image_formula",
+                "imageFormula",
+                r.choice("imageFormula", {f.value for f in ImageFormula}, ImageFormula.TILES_512),
+            ),
+            ("capabilities", "capabilities", sorted(capabilities)),
+            ("data_residency", "dataResidency", r.get("dataResidency", str, required=True)),
+            ("safety_tier", "safetyTier", r.positive("safetyTier", required=False) or 1),
+        ]
+        out.append(_wanted("model revision", name, ModelRevision, {"name": name}, fields))
+    return out
+
+
+def _task_classes(doc: dict[str, Any]) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "taskClasses"):
+        r = Reader(
+            item,
+            path,
+            {
+                "slug",
+                "description",
+                "maxOutputCap",
+                "inputCap",
+                "queue",
+                "rampPercent",
+                "tenantAccountDefaults",
+            },
+        )
+        queue = Reader(r.get("queue", dict, {}), f"{path}.queue", {"allowed", "deadlineSeconds"})
+        ramp = r.positive("rampPercent", required=False, allow_zero=True)
+        if ramp is not None and ramp > 100:
+            raise ProvisioningError(f"{path}.rampPercent", "must be between 0 and 100")
+        defaults = r.get("tenantAccountDefaults", dict, None)
+        if defaults is not None:
+            _limits(
+                Reader(
+                    defaults,
+                    f"{path}.tenantAccountDefaults",
+                    {"period", "inputLimit", "outputLimit", "concurrencyLimit"},
+                )
+            )
+        slug = r.get("slug", str, required=True)
+        fields = [
+            ("description", "description", r.get("description", str, "")),
+            ("max_output_cap", "maxOutputCap", r.positive("maxOutputCap")),
+            ("input_cap", "inputCap", r.positive("inputCap")),
+            ("queue_allowed", "queue.allowed", queue.get("allowed", bool, False)),
+            (
+                "queue_deadline_seconds",
+                "queue.deadlineSeconds",
+                queue.positive("deadlineSeconds", required=False) or 60,
+            ),
+            ("ramp_percent", "rampPercent", 100 if ramp is None else ramp),
+            ("tenant_account_defaults", "tenantAccountDefaults", defaults),
+        ]
+        out.append(_wanted("task class", slug, TaskClass, {"slug": slug}, fields))
+    return out
+
+
+def _tenants(doc: dict[str, Any]) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "tenants"):
+        r = Reader(item, path, {"slug", "name", "internal", "rolloutMode"})
+        slug = r.get("slug", str, required=True)
+        fields = [
+            ("name", "name", r.get("name", str, slug)),
+            ("internal", "internal", r.get("internal", bool, False)),
+            (
+                "rollout_mode",
+                "rolloutMode",
+                r.choice("rolloutMode", {m.value for m in RolloutMode}, RolloutMode.SHADOW),
+            ),
+        ]
+        out.append(_wanted("tenant", slug, Tenant, {"slug": slug}, fields))
+    return out
+
+
+def _accounts(
+    doc: dict[str, Any], now: datetime, tenants: set[Any], task_classes: set[Any], pools: set[Any]
+) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "accounts"):
+        r = Reader(
+            item,
+            path,
+            {
+                "scope",
+                "tenant",
+                "taskClass",
+                "pool",
+                "period",
+                "inputLimit",
+                "outputLimit",
+                "concurrencyLimit",
+            },
+        )
+        scope = r.choice("scope", {s.value for s in Scope})
+        lookup: dict[str, Any] = {"scope": scope, "tenant": None, "task_class": None, "pool": None}
+        if scope in {Scope.TENANT, Scope.TENANT_TASK}:
+            lookup["tenant"] = r.ref("tenant", tenants, "tenant")
+        if scope == Scope.TENANT_TASK:
+            lookup["task_class"] = r.ref("taskClass", task_classes, "task class")
+        if scope == Scope.POOL:
+            lookup["pool"] = r.ref("pool", pools, "model pool")
+        fields = _limits(r)
+        label = " ".join([scope, *(str(v) for k, v in lookup.items() if k != "scope" and v is not None)])
+        on_create = {"period_start": period_start_for(fields[0][2], now)}
+        out.append(_wanted("account", label, CapacityAccount, lookup, fields, on_create))
+    return out
+
+
+def _service_clients(doc: dict[str, Any], tenants: set[Any]) -> list[Wanted]:
+    out = []
+    for path, item in items(doc, "serviceClients"):
+        r = Reader(item, path, {"name", "tenants", "tokens", "active"})
+        name = r.get("name", str, required=True)
+        fields = [
+            ("is_active", "active", r.get("active", bool, True)),
+            ("tenants", "tenants", r.refs("tenants", tenants, "tenant")),
+        ]
+        out.append(_wanted("service client", name, ServiceClient, {"name": name}, fields))
+        for i, raw in enumerate(r.get("tokens", list, [])):
+            if not isinstance(raw, str) or len(raw) < 16:
+                raise ProvisioningError(f"{path}.tokens[{i}]", "must be a string of at least 16 characters")
+            token_hash = hash_token(raw)
+            if ApiToken.objects.filter(token_hash=token_hash).exclude(client__name=name).exists():
+                raise ProvisioningError(f"{path}.tokens[{i}]", "belongs to another service client")
+            out.append(
+                _wanted(
+                    "api token",
+                    f"{raw[:8]}… of {name}",
+                    ApiToken,
+                    {"token_hash": token_hash},
+                    [],
+                    {"client": name, "prefix": raw[:8]},
+                )
+            )
+    return out
+
+
+def _policies(doc: dict[str, Any], now: datetime) -> list[Wanted]:
+    policies = Reader(doc.get("policies") or {}, "policies", {"versions", "aliases"})
+    stored = {v.revision: v for v in PolicyVersion.objects.all()}
+    out = []
+    for path, item in items(policies.data, "versions"):
+        path = "policies." + path
+        r = Reader(item, path, {"revision", "document", "note"})
+        revision = r.positive("revision")
+        assert revision is not None
+        document = r.get("document", dict, required=True)
+        errors = document_errors(document, revision=revision)
+        if errors:
+            inner = "" if errors[0].path == "(document)" else f".{errors[0].path}"
+            raise ProvisioningError(f"{path}.document{inner}", errors[0].message)
+        existing = stored.get(revision)
+        if existing is not None and existing.state != PolicyState.VALIDATED:
+            raise ProvisioningError(
+                f"{path}.revision",
+                f"policy r{revision} is a draft: validate it in the admin, or use a new revision",
+            )
+        if existing is not None and existing.document != document:
+            raise ProvisioningError(f"{path}.document", f"policy r{revision} is validated and immutable")
+        out.append(
+            _wanted(
+                "policy version",
+                f"r{revision}",
+                PolicyVersion,
+                {"revision": revision},
+                [("document", "document", document), ("note", "note", r.get("note", str, ""))],
+                {"state": PolicyState.VALIDATED, "validated_at": now},
+            )
+        )
+    in_file = {w.lookup["revision"] for w in out}
+    validated = {rev for rev, v in stored.items() if v.state == PolicyState.VALIDATED} | in_file
+    for path, item in items(policies.data, "aliases"):
+        path = "policies." + path
+        r = Reader(item, path, {"name", "version"})
+        revision = r.positive("version")
+        if revision not in validated:
+            raise ProvisioningError(f"{path}.version", f"no validated policy r{revision}")
+        name = r.get("name", str, required=True)
+        out.append(
+            _wanted("policy alias", name, PolicyAlias, {"name": name}, [("version", "version", revision)])
+        )
+    return out
