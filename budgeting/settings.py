@@ -216,6 +216,8 @@ TOKENIZER_DIR = Path(env("TOKENIZER_DIR", str(VAR_DIR / "tokenizers")) or "")
 LEASE_SECONDS = env_int("LEASE_SECONDS", 120, minimum=1)
 # How long a process reuses the list of accounts that apply to (tenant, task class, pool).
 ACCOUNT_CACHE_SECONDS = env_int("ACCOUNT_CACHE_SECONDS", 5, minimum=0)
+# Segment counts kept in each process in front of Redis (an entry is a key of ~100 bytes and an int).
+COUNT_CACHE_LOCAL_ENTRIES = env_int("COUNT_CACHE_LOCAL_ENTRIES", 200_000, minimum=0)
 
 LOGGING = {
     "version": 1,

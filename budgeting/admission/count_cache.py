@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import cast
@@ -76,3 +78,56 @@ class RedisCountCache:
         if batch:
             deleted += cast(int, self.client.delete(*batch))
         return deleted
+
+
+class LayeredCountCache:
+    """Counts in this process first, then in Redis: a warm count of unchanged segments costs a hash and a
+    dictionary lookup, not a Redis round trip. Keys name their tokenizer, template and content digests, so an
+    entry never goes stale; the local layer is bounded (least recently used out first)."""
+
+    def __init__(self, shared: RedisCountCache, capacity: int) -> None:
+        self.shared = shared
+        self.capacity = capacity
+        self.local: OrderedDict[str, int] = OrderedDict()
+        self.lock = threading.Lock()
+        self.policy_revision: int | None = None
+
+    def under_policy(self, revision: int | None) -> LayeredCountCache:
+        """The cache under this active policy revision: a rollback (any move of the alias) drops the local
+        layer, as it clears the shared one (SPEC §6)."""
+        with self.lock:
+            if revision != self.policy_revision:
+                self.local.clear()
+                self.policy_revision = revision
+        return self
+
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        with self.lock:
+            found = [self.local.get(key) for key in keys]
+            for key, value in zip(keys, found, strict=True):
+                if value is not None:
+                    self.local.move_to_end(key)
+        missing = [key for key, value in zip(keys, found, strict=True) if value is None]
+        if not missing:
+            return found
+        shared = dict(zip(missing, self.shared.get_many(missing), strict=True))
+        self._keep({key: value for key, value in shared.items() if value is not None})
+        return [value if value is not None else shared[key] for key, value in zip(keys, found, strict=True)]
+
+    def set_many(self, mapping: Mapping[str, int]) -> None:
+        self._keep(mapping)
+        self.shared.set_many(mapping)
+
+    def _keep(self, mapping: Mapping[str, int]) -> None:
+        with self.lock:
+            self.local.update(mapping)
+            for key in mapping:
+                self.local.move_to_end(key)
+            while len(self.local) > self.capacity:
+                self.local.popitem(last=False)
+
+
+@lru_cache(maxsize=1)
+def count_cache() -> LayeredCountCache:
+    """The process's count cache (in-process layer in front of Redis)."""
+    return LayeredCountCache(RedisCountCache(), settings.COUNT_CACHE_LOCAL_ENTRIES)

@@ -51,8 +51,10 @@ class Manifest(models.Model):
     model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
     tokenizer_digest = models.CharField(max_length=71)
     policy_revision = models.PositiveIntegerField(null=True, blank=True)
-    decision = models.CharField(max_length=longest(Decision.values), choices=Decision.choices)
-    answer = models.CharField(max_length=longest(Answer.values), choices=Answer.choices, blank=True)
+    decision = models.CharField(max_length=longest(Decision.values), help_text="What the ladder decided.")
+    answer = models.CharField(
+        max_length=longest(Answer.values), blank=True, help_text="What the caller was finally answered."
+    )
     rung = models.CharField(max_length=longest(RUNGS))
     mode = models.CharField(max_length=8, choices=RolloutMode.choices)
     rendered_digest = models.CharField(max_length=71)

@@ -1,7 +1,9 @@
-"""Admission orchestration: resolve the catalog, run the pure ladder, record the manifest, reserve.
+"""Admission orchestration: resolve the catalog, run the pure ladder, reserve, record the manifest.
 
-Slow work (rendering, counting, the ladder) happens before any transaction; the ledger's transaction holds its
-locks only for the conditional updates and inserts.
+Slow work (rendering, counting, the ladder) happens before any transaction. An admission is then ONE
+transaction: the manifest, the reservation, its holds and entries, and the stored answer commit together or
+not at all (``ledger.services.admission.reserve`` runs ``record`` inside its transaction). The catalog comes
+from the caller's in-process snapshot, so a warm admission costs three statements.
 """
 
 from __future__ import annotations
@@ -12,14 +14,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db.models import QuerySet
-
-from budgeting.admission import manifests as services
-from budgeting.admission.count_cache import RedisCountCache
-from budgeting.admission.models import Manifest
-from budgeting.catalog import selectors as catalog
-from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, NotFound, Unavailable, Unprocessable
+from budgeting.admission.count_cache import count_cache
+from budgeting.admission.models import Answer, Manifest
+from budgeting.admission.request import AdmissionRequest
+from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, Unavailable, Unprocessable
 from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
+from budgeting.catalog.snapshot import Caller, Resolved
 from budgeting.observability import metrics
 from ladder.components import ComponentError, Components, Limits
 from ladder.counting import CountingUnavailable, rendered_digest
@@ -54,46 +54,44 @@ class Result:
 class Context:
     """Everything resolved for one admission request before the ladder runs."""
 
+    caller: Caller
     tenant: Tenant
-    resolved: catalog.Resolved
+    resolved: Resolved
     components: Components
-    envelope: dict[str, Any]
+    request: AdmissionRequest
     full_payload: dict[str, object]
     """The provider payload of the request as sent, before any rung (built once per request)."""
 
 
-def _resolve(tenants: QuerySet[Tenant], envelope: dict[str, Any]) -> Context:
-    tenant = tenants.filter(slug=envelope["tenantId"]).first()
-    if tenant is None:
-        raise NotFound(f"unknown tenant {envelope['tenantId']!r}", code="TENANT_NOT_FOUND")
-    resolved = catalog.resolve(
-        task_class=envelope["taskClass"], pool=envelope["modelPool"], model_revision=envelope["modelRevision"]
+def _resolve(caller: Caller, request: AdmissionRequest) -> Context:
+    tenant = caller.snapshot.tenant(request.tenant_id, caller.tenant_ids)
+    resolved = caller.snapshot.resolve(
+        task_class=request.task_class, pool=request.model_pool, model_revision=request.model_revision
     )
-    client_digest = envelope.get("tokenizerDigest")
     server_digest = resolved.model.tokenizer.digest
-    if client_digest is not None and client_digest != server_digest:
+    if request.tokenizer_digest is not None and request.tokenizer_digest != server_digest:
         raise Conflict(
             "tokenizerDigest is not the server's tokenizer for this model revision; refresh and recount",
             code="TOKENIZER_MISMATCH",
             serverTokenizerDigest=server_digest,
-            clientTokenizerDigest=client_digest,
+            clientTokenizerDigest=request.tokenizer_digest,
         )
-    requested_policy = envelope.get("policyRevision")
-    if requested_policy is not None and requested_policy != resolved.policy_revision:
+    if request.policy_revision is not None and request.policy_revision != resolved.policy_revision:
         raise Conflict(
-            f"policyRevision {requested_policy} is not the active revision {resolved.policy_revision}",
+            f"policyRevision {request.policy_revision} is not the active revision {resolved.policy_revision}",
             code="POLICY_REVISION_MISMATCH",
             activePolicyRevision=resolved.policy_revision,
         )
     try:
-        components = parse_components(envelope["components"], limits=LIMITS)
+        components = parse_components(request.components, limits=LIMITS)
     except ComponentError as exc:
         raise InvalidInput(exc.message, code="INVALID_COMPONENTS", path=exc.path, reason=exc.code) from None
     return Context(
+        caller=caller,
         tenant=tenant,
         resolved=resolved,
         components=components,
-        envelope=envelope,
+        request=request,
         full_payload=build_payload(components),
     )
 
@@ -104,14 +102,14 @@ def _run_ladder(ctx: Context) -> Decision:
     try:
         decision = decide(
             ctx.components,
-            request_id=ctx.envelope["requestId"],
+            request_id=ctx.request.request_id,
             model=r.model_spec,
-            requested_max_output=ctx.envelope["maxOutput"],
+            requested_max_output=ctx.request.max_output,
             task_policy=r.task_policy,
             global_cap=r.global_cap,
             fallback_models=r.fallback_specs,
-            counter_for=catalog.counter_for_spec,
-            cache=RedisCountCache(),
+            counter_for=ctx.caller.snapshot.counter_for,
+            cache=count_cache().under_policy(r.policy_revision),
         )
     except CountingUnavailable as exc:
         raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None
@@ -129,30 +127,26 @@ def _mode(ctx: Context) -> str:
     if ctx.tenant.rollout_mode == RolloutMode.SHADOW:
         return RolloutMode.SHADOW
     ramp = min(ctx.resolved.task_class.ramp_percent, ctx.resolved.task_policy.ramp_percent)
-    return RolloutMode.ENFORCE if in_ramp(ctx.envelope["requestId"], ramp) else RolloutMode.SHADOW
+    return RolloutMode.ENFORCE if in_ramp(ctx.request.request_id, ramp) else RolloutMode.SHADOW
 
 
 def _model_used(ctx: Context, decision: Decision) -> ModelRevision:
     if decision.model.id == ctx.resolved.model.name:
         return ctx.resolved.model
-    return ModelRevision.objects.select_related("tokenizer").get(name=decision.model.id)
+    return ctx.caller.snapshot.models[decision.model.id]
 
 
 def request_fingerprint(ctx: Context) -> str:
     """What an Idempotency-Key is bound to: the FULL payload and every envelope field that changes the
     decision or the reservation (a retry must repeat all of them)."""
-    envelope = {
-        name: ctx.envelope.get(name)
-        for name in ("requestId", "taskClass", "modelPool", "modelRevision", "maxOutput")
-    }
-    return rendered_digest({"payload": ctx.full_payload, "envelope": envelope})
+    return rendered_digest({"payload": ctx.full_payload, "envelope": ctx.request.fingerprint_fields()})
 
 
 def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
     body = decision_response(decision)
-    estimate = ctx.envelope.get("clientEstimate")
+    estimate = ctx.request.client_estimate
     return {
-        "requestId": ctx.envelope["requestId"],
+        "requestId": ctx.request.request_id,
         "decision": decision_label(decision),
         **body,
         "renderedDigest": rendered_digest(ctx.full_payload),
@@ -168,8 +162,8 @@ def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
         "clientEstimate": None
         if estimate is None
         else {
-            **estimate,
-            "deviation": None if decision.count is None else estimate["inputTokens"] - decision.count.total,
+            "inputTokens": estimate.input_tokens,
+            "deviation": None if decision.count is None else estimate.input_tokens - decision.count.total,
         },
     }
 
@@ -180,10 +174,11 @@ def decision_label(decision: Decision) -> str:
     return "ADMITTED" if decision.rung == "FULL" else "DEGRADED"
 
 
-def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> Manifest:
+def _manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> Manifest:
+    """The decision's manifest, not yet written (it is inserted with the answer the caller gets)."""
     r = ctx.resolved
-    manifest = Manifest(
-        request_id=ctx.envelope["requestId"],
+    return Manifest(
+        request_id=ctx.request.request_id,
         tenant=ctx.tenant,
         task_class=r.task_class,
         model_pool=r.pool,
@@ -202,7 +197,7 @@ def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> M
                 "model": decision.model.id,
                 "requestedModel": r.model.name,
                 "tokenizerDigest": decision.model.tokenizer_digest,
-                "promptBundleDigest": ctx.envelope.get("promptBundleDigest"),
+                "promptBundleDigest": ctx.request.prompt_bundle_digest,
                 "policyRevision": r.policy_revision,
                 "estimator": ESTIMATOR_REVISION,
                 "templateRevision": decision.template_revision,
@@ -216,14 +211,24 @@ def _record_manifest(ctx: Context, decision: Decision, mode: str, raw: Any) -> M
             **decision_manifest(decision),
         },
     )
-    return services.record_manifest(manifest=manifest)
 
 
-def count(*, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, now: datetime) -> Result:
-    """The dry run: the same decision as an admission, without reserving or recording anything."""
-    ctx = _resolve(tenants, envelope)
+def _record(manifest: Manifest, answer: str) -> int:
+    """Insert the manifest with the caller's answer (inside the admission's transaction when there is one)."""
+    manifest.answer = answer
+    manifest.save(force_insert=True)
+    return manifest.pk
+
+
+def count(*, caller: Caller, request: AdmissionRequest, include_payload: bool) -> Result:
+    """The dry run: the same decision as an admission, without reserving or recording anything. The rendered
+    payload is answered only when asked for (it can be most of the response)."""
+    ctx = _resolve(caller, request)
     decision = _run_ladder(ctx)
-    return Result(200, {**_decision_body(ctx, decision), "payload": decision.payload})
+    body = _decision_body(ctx, decision)
+    if include_payload:
+        body["payload"] = decision.payload
+    return Result(200, body)
 
 
 def _rejection(ctx: Context, decision: Decision, manifest: Manifest) -> DomainError:
@@ -273,15 +278,15 @@ def queued_body(reservation: Reservation) -> dict[str, Any]:
 
 
 def admit(
-    *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
+    *, caller: Caller, request: AdmissionRequest, raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
-    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises DomainError subclasses.
+    """POST /admissions: decide, and (in ENFORCE) reserve, recording the manifest. Raises DomainError.
 
     Its latency is observed per rung (``REJECTED`` for a refusal) for the metrics.
     """
     started = time.perf_counter()
     try:
-        result = _admit(tenants=tenants, envelope=envelope, raw=raw, idempotency_key=idempotency_key, now=now)
+        result = _admit(caller=caller, request=request, raw=raw, idempotency_key=idempotency_key, now=now)
     except DomainError:
         metrics.observe_admission_latency(time.perf_counter() - started, "REJECTED")
         raise
@@ -290,28 +295,29 @@ def admit(
 
 
 def _admit(
-    *, tenants: QuerySet[Tenant], envelope: dict[str, Any], raw: Any, idempotency_key: str, now: datetime
+    *, caller: Caller, request: AdmissionRequest, raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
-    """POST /admissions: decide, record the manifest, and (in ENFORCE) reserve. Raises DomainError."""
     if not idempotency_key or len(idempotency_key) > 200:
         raise InvalidInput(
             "the Idempotency-Key header is required (at most 200 characters)", code="IDEMPOTENCY_KEY_REQUIRED"
         )
-    ctx = _resolve(tenants, envelope)
+    ctx = _resolve(caller, request)
     decision = _run_ladder(ctx)
     request_digest = request_fingerprint(ctx)
-    earlier = ledger_admission.find_by_idempotency_key(
-        tenant=ctx.tenant, idempotency_key=idempotency_key, rendered_digest=request_digest
-    )
-    if earlier is not None:
-        return _replay(earlier)
     mode = _mode(ctx)
-    manifest = _record_manifest(ctx, decision, mode, raw)
+    manifest = _manifest(ctx, decision, mode, raw)
     body = _decision_body(ctx, decision)
+    if mode == RolloutMode.SHADOW or not decision.fits:
+        # Nothing will be reserved: a retry of a key that was admitted earlier still answers its replay.
+        earlier = ledger_admission.find_by_idempotency_key(
+            tenant=ctx.tenant, idempotency_key=idempotency_key, rendered_digest=request_digest
+        )
+        if earlier is not None:
+            return _replay(earlier)
     if mode == RolloutMode.SHADOW:
         # Shadow never blocks: whatever was decided (even a rejection) is recorded and counted, and the caller
         # gets its request back unchanged with nothing held.
-        _answered(manifest, "SHADOW")
+        _record(manifest, Answer.SHADOW)
         return Result(
             200,
             {
@@ -324,7 +330,7 @@ def _admit(
             would_reject=None if decision.fits else _rejection(ctx, decision, manifest),
         )
     if not decision.fits:
-        _answered(manifest, decision.code or "REJECTED")
+        _record(manifest, decision.code or Answer.REJECTED)
         raise _rejection(ctx, decision, manifest)
     body["payload"] = decision.payload
     body["mode"] = RolloutMode.ENFORCE
@@ -334,7 +340,7 @@ def _admit(
         task_class=r.task_class,
         pool=r.pool,
         model_revision=_model_used(ctx, decision),
-        request_id=ctx.envelope["requestId"],
+        request_id=request.request_id,
         idempotency_key=idempotency_key,
         rendered_digest=request_digest,
         admitted_digest=decision.rendered_digest,
@@ -342,7 +348,7 @@ def _admit(
         output_tokens=decision.max_output,
         policy_revision=r.policy_revision,
         rung=decision.rung,
-        manifest_id=manifest.pk,
+        manifest_id=None,
         minimum_evidence_ids=tuple(
             sorted(minimum_evidence_ids(ctx.components.evidence, r.task_policy.minimum_evidence))
         ),
@@ -351,20 +357,24 @@ def _admit(
         request_body={"decisionBody": body},
     )
     try:
-        admitted = ledger_admission.reserve(spec=spec, build_body=lambda res: _first_body(res, body), now=now)
+        admitted = ledger_admission.reserve(
+            spec=spec,
+            build_body=lambda res: _first_body(res, body),
+            now=now,
+            db_now=caller.db_now,
+            catalog_version=caller.snapshot.version,
+            record=lambda state: _record(
+                manifest, Answer.QUEUED if state == State.PROPOSED else Answer.RESERVED
+            ),
+        )
     except QuotaExceeded:
-        # The ladder admitted it; the ledger did not. The manifest says what was finally answered.
-        _answered(manifest, "QUOTA_EXCEEDED")
+        # The ladder admitted it; the ledger did not (nothing was written). The manifest says so.
+        manifest.pk = None
+        _record(manifest, Answer.QUOTA_EXCEEDED)
         raise
     if admitted.replayed:
-        _answered(manifest, "REPLAYED")
         return _replay(admitted.reservation)
-    _answered(manifest, "QUEUED" if admitted.reservation.state == State.PROPOSED else "RESERVED")
     return _answer(admitted.reservation)
-
-
-def _answered(manifest: Manifest, answer: str) -> None:
-    services.record_answer(manifest_id=manifest.pk, answer=answer)
 
 
 def _first_body(reservation: Reservation, body: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any, cast
 from budgeting.admission.models import Manifest
 from budgeting.admission.orchestrator import LIMITS, decision_label
 from budgeting.api.serializers import AdmissionIn
-from budgeting.catalog import selectors as catalog
+from budgeting.catalog import snapshot as catalog
 from budgeting.catalog.models import ModelRevision, PolicyVersion, RolloutMode, Tokenizer
 from ladder.components import ComponentError, Components
 from ladder.counting import CountingUnavailable, MemoryCountCache, SegmentCounter, UpperBoundRule
@@ -225,7 +225,8 @@ def _inputs(manifest: Manifest, record: dict[str, Any], differences: list[str]) 
     unavailable = record.get("code") == COUNTING_UNAVAILABLE or (
         isinstance(counter_digest, str) and counter_digest.startswith("upper-bound:")
     )
-    counter_for: Callable[[ModelSpec], SegmentCounter] = catalog.counter_for_spec
+    current_catalog, _ = catalog.current()
+    counter_for: Callable[[ModelSpec], SegmentCounter] = current_catalog.counter_for
     if unavailable:
         counter_for = _unavailable
     elif counter_digest is not None:
@@ -235,7 +236,7 @@ def _inputs(manifest: Manifest, record: dict[str, Any], differences: list[str]) 
             else next((spec for spec in fallbacks if spec.id == final_id), model)
         )
         try:
-            catalog.counter_for_spec(counted_with)
+            current_catalog.counter_for(counted_with)
         except CountingUnavailable as exc:
             differences.append(
                 f"the recorded tokenizer {counted_with.tokenizer_digest} of {counted_with.id} cannot be "

@@ -6,13 +6,17 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.request import Request
 
-from budgeting.catalog.models import ApiToken, ServiceClient, hash_token
+from budgeting.catalog import snapshot
+from budgeting.catalog.models import ServiceClient, hash_token
+from budgeting.catalog.snapshot import Caller
 
 
 class ServiceTokenAuthentication(BaseAuthentication):
     keyword = b"bearer"
 
-    def authenticate(self, request: Request) -> tuple[ServiceClient, ApiToken] | None:
+    def authenticate(self, request: Request) -> tuple[ServiceClient, Caller] | None:
+        """The client and its ``Caller`` (tenants, catalog snapshot, database clock): one statement, the
+        catalog version check, when the catalog has not changed since this process last read it."""
         header = get_authorization_header(request).split()
         if not header or header[0].lower() != self.keyword:
             return None
@@ -22,14 +26,11 @@ class ServiceTokenAuthentication(BaseAuthentication):
             raw = header[1].decode("ascii")
         except UnicodeDecodeError:
             raise AuthenticationFailed("token is not ASCII") from None
-        token = (
-            ApiToken.objects.select_related("client")
-            .filter(token_hash=hash_token(raw), revoked_at__isnull=True, client__is_active=True)
-            .first()
-        )
-        if token is None:
+        catalog, db_now = snapshot.current()
+        caller = catalog.caller(hash_token(raw), db_now)
+        if caller is None:
             raise AuthenticationFailed("unknown or revoked token")
-        return token.client, token
+        return caller.client, caller
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="api"'

@@ -5,16 +5,16 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from django.db.models import QuerySet
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers as drf_serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from budgeting.admission import orchestrator as admission
+from budgeting.admission.request import AdmissionRequest
 from budgeting.api.problems import problem_body
 from budgeting.api.serializers import (
     AdmissionIn,
@@ -26,7 +26,8 @@ from budgeting.api.serializers import (
     UsageIn,
 )
 from budgeting.catalog.errors import InvalidInput, NotFound
-from budgeting.catalog.models import ServiceClient, Tenant
+from budgeting.catalog.models import ServiceClient
+from budgeting.catalog.snapshot import Caller
 from ledger import selectors
 from ledger.services import lifecycle
 
@@ -55,11 +56,13 @@ class TenantScopedView(APIView):
         assert isinstance(client, ServiceClient)
         return client
 
-    def tenants(self) -> QuerySet[Tenant]:
-        return self.client().tenants.all()
+    def caller(self) -> Caller:
+        caller = self.request.auth
+        assert isinstance(caller, Caller)
+        return caller
 
-    def tenant_ids(self) -> list[int]:
-        return list(self.tenants().values_list("pk", flat=True))
+    def tenant_ids(self) -> frozenset[int]:
+        return self.caller().tenant_ids
 
     def validated(self, serializer_class: type[drf_serializers.Serializer], data: Any) -> dict[str, Any]:
         serializer = serializer_class(data=data)
@@ -112,9 +115,9 @@ class AdmissionView(TenantScopedView):
     )
     def post(self, request: Request) -> Response:
         key = request.headers.get("Idempotency-Key", "")
-        body = self.validated(AdmissionIn, request.data)
+        body = AdmissionRequest.from_wire(self.validated(AdmissionIn, request.data))
         result = admission.admit(
-            tenants=self.tenants(), envelope=body, raw=request.data, idempotency_key=key, now=timezone.now()
+            caller=self.caller(), request=body, raw=request.data, idempotency_key=key, now=timezone.now()
         )
         body = result.body
         if result.would_reject is not None:
@@ -126,10 +129,23 @@ class AdmissionView(TenantScopedView):
 
 
 class CountView(TenantScopedView):
-    @extend_schema(request=AdmissionIn, responses={200: AnyObject, **ERRORS}, operation_id="countAdmission")
+    @extend_schema(
+        request=AdmissionIn,
+        responses={200: AnyObject, **ERRORS},
+        operation_id="countAdmission",
+        parameters=[
+            OpenApiParameter(
+                "include",
+                str,
+                enum=["payload"],
+                description="`payload` also answers the rendered provider payload (large; off by default)",
+            )
+        ],
+    )
     def post(self, request: Request) -> Response:
-        body = self.validated(AdmissionIn, request.data)
-        result = admission.count(tenants=self.tenants(), envelope=body, raw=request.data, now=timezone.now())
+        body = AdmissionRequest.from_wire(self.validated(AdmissionIn, request.data))
+        include = {part.strip() for part in request.query_params.get("include", "").split(",")}
+        result = admission.count(caller=self.caller(), request=body, include_payload="payload" in include)
         return Response(result.body, status=result.status)
 
 

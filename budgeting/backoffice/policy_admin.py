@@ -36,7 +36,7 @@ from budgeting.backoffice.kit import (
 from budgeting.catalog import policies as policy_services
 from budgeting.catalog.errors import DomainError
 from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
-from budgeting.catalog.selectors import ACTIVE_ALIAS
+from budgeting.catalog.snapshot import ACTIVE_ALIAS
 
 
 class PrettyJSONField(forms.JSONField):

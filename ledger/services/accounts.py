@@ -32,37 +32,53 @@ def _current_period_start(account: CapacityAccount, now: datetime) -> datetime:
     return period_start_for(account.period, now)
 
 
-_ACCOUNTS: dict[tuple[int, int, int], tuple[float, list[CapacityAccount]]] = {}
-
-
+_ACCOUNTS: dict[tuple[int, int, int], tuple[int | None, float, list[CapacityAccount]]] = {}
 _ACCOUNTS_LOCK = threading.Lock()
 
 
 def applicable_accounts(
-    *, tenant: Tenant, task_class: TaskClass, pool: ModelPool, now: datetime
+    *,
+    tenant: Tenant,
+    task_class: TaskClass,
+    pool: ModelPool,
+    now: datetime,
+    catalog_version: int | None = None,
 ) -> list[CapacityAccount]:
     """The accounts a request for (tenant, task class, pool) holds on, in lock order.
 
-    Which accounts apply is cached per process for ACCOUNT_CACHE_SECONDS (limits and balances are always read
-    inside the reserving UPDATE, so only a newly provisioned account waits that long to take effect).
+    Which accounts apply is cached per process: while the catalog version is ``catalog_version`` (creating,
+    removing or re-scoping an account bumps it), or, without a version, for ACCOUNT_CACHE_SECONDS. Limits and
+    balances are never cached: they are read inside the reserving UPDATE.
     A tenant × task-class account that does not exist yet is created from the task class's defaults; many
     threads doing it at once is safe (INSERT … ON CONFLICT DO NOTHING on the partial unique index).
     """
     key = (tenant.pk, task_class.pk, pool.pk)
     with _ACCOUNTS_LOCK:
         cached = _ACCOUNTS.get(key)
-    if cached is not None and cached[0] > time.monotonic():
-        accounts = cached[1]
+    if cached is not None and (
+        (catalog_version is not None and cached[0] == catalog_version)
+        or (catalog_version is None and cached[1] > time.monotonic())
+    ):
+        accounts = cached[2]
     else:
-        accounts = _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
-        with _ACCOUNTS_LOCK:
-            _ACCOUNTS[key] = (time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
+        accounts = _remember(
+            key, catalog_version, _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
+        )
     if any(account.period_start < _current_period_start(account, now) for account in accounts):
         for account in accounts:
             roll_over(account_id=account.pk, now=now)
-        accounts = _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
-        with _ACCOUNTS_LOCK:
-            _ACCOUNTS[key] = (time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
+        # The roll-over bumped the catalog version: this list is kept only until the next request reads it.
+        accounts = _remember(
+            key, None, _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
+        )
+    return accounts
+
+
+def _remember(
+    key: tuple[int, int, int], catalog_version: int | None, accounts: list[CapacityAccount]
+) -> list[CapacityAccount]:
+    with _ACCOUNTS_LOCK:
+        _ACCOUNTS[key] = (catalog_version, time.monotonic() + settings.ACCOUNT_CACHE_SECONDS, accounts)
     return accounts
 
 

@@ -25,7 +25,7 @@ from ledger.models import (
     State,
 )
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
-from ledger.services.postings import write_entries
+from ledger.services.postings import hold_new_reservation, write_entries
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ def find_by_idempotency_key(
     return existing
 
 
-def _new_reservation(spec: AdmissionSpec, state: str, **fields: Any) -> Reservation:
+def _new_reservation(
+    spec: AdmissionSpec, state: str, *, manifest_id: int | None, **fields: Any
+) -> Reservation:
     return Reservation(
         id=uuid.uuid4(),
         tenant=spec.tenant,
@@ -84,7 +86,6 @@ def _new_reservation(spec: AdmissionSpec, state: str, **fields: Any) -> Reservat
         idempotency_key=spec.idempotency_key,
         rendered_digest=spec.rendered_digest,
         admitted_digest=spec.admitted_digest,
-        manifest_id=spec.manifest_id,
         policy_revision=spec.policy_revision,
         rung=spec.rung,
         mode=RolloutMode.ENFORCE,
@@ -93,6 +94,7 @@ def _new_reservation(spec: AdmissionSpec, state: str, **fields: Any) -> Reservat
         output_reserved=spec.output_tokens,
         remaining=spec.output_tokens,
         minimum_evidence_ids=list(spec.minimum_evidence_ids),
+        manifest_id=manifest_id,
         **fields,
     )
 
@@ -109,51 +111,51 @@ def _replay_of(spec: AdmissionSpec, error: IntegrityError) -> Admitted:
 
 
 def reserve(
-    *, spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
+    *,
+    spec: AdmissionSpec,
+    build_body: Callable[[Reservation], dict[str, Any]],
+    now: datetime,
+    db_now: datetime | None = None,
+    catalog_version: int | None = None,
+    record: Callable[[str], int | None] | None = None,
 ) -> Admitted:
-    """Hold input, output and one concurrency slot on every applicable account in one transaction.
+    """Hold input, output and one concurrency slot on every applicable account, in one transaction.
+
+    ``record(state)``, when given, writes the caller's record of this admission inside the same transaction
+    (the manifest: it commits with the reservation or not at all) and returns its id for the reservation.
+    ``db_now`` is the database clock the lease is measured from (read now when not given).
 
     Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
-    queues, or the earlier reservation for the same idempotency key (replayed=True).
-    Raises QuotaExceeded (nothing written), IdempotencyConflict, or Unavailable after repeated contention.
+    queues, or the earlier reservation for the same idempotency key (replayed=True, nothing written).
+    Raises QuotaExceeded (nothing written), IdempotencyConflict, or Contention after repeated deadlocks.
     """
     # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
     # common path of a new key one query shorter.
-    accounts = applicable_accounts(tenant=spec.tenant, task_class=spec.task_class, pool=spec.pool, now=now)
+    accounts = applicable_accounts(
+        tenant=spec.tenant,
+        task_class=spec.task_class,
+        pool=spec.pool,
+        now=now,
+        catalog_version=catalog_version,
+    )
 
     def attempt() -> Reservation:
         with transaction.atomic(durable=True):
-            db_now = locks.db_now()
-            assert isinstance(db_now, datetime)
+            clock = db_now or locks.db_now()
+            assert isinstance(clock, datetime)
+            manifest_id = record(State.RESERVED) if record is not None else spec.manifest_id
             reservation = _new_reservation(
                 spec,
                 State.RESERVED,
+                manifest_id=manifest_id,
                 concurrency_held=True,
-                lease_expires_at=db_now + timedelta(seconds=settings.LEASE_SECONDS),
+                lease_expires_at=clock + timedelta(seconds=settings.LEASE_SECONDS),
             )
             reservation.response_body = build_body(reservation)
-            # The insert comes first: a concurrent retry of the same key waits here on the unique index and
-            # then fails, before it touches any account.
-            reservation.save(force_insert=True)
-            # Inserts first, then the hot rows: the account locks are held only from the one UPDATE below
-            # to COMMIT, with no Python work in between.
-            Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
-            write_entries(
-                reservation,
-                accounts,
-                EntryKind.HOLD,
-                input_reserved=spec.input_tokens,
-                output_reserved=spec.output_tokens,
-                in_flight=1,
-            )
-            short = locks.reserve_on_accounts(
-                [a.pk for a in accounts],
-                input_tokens=spec.input_tokens,
-                output_tokens=spec.output_tokens,
-                concurrency=1,
-            )
+            held = hold_new_reservation(reservation, [a.pk for a in accounts])
+            short = next((a for a in accounts if a.pk not in held), None)
             if short is not None:
-                raise ShortageSignal(next(a for a in accounts if a.pk == short))
+                raise ShortageSignal(short)
             return reservation
 
     try:
@@ -165,12 +167,15 @@ def reserve(
             signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
         )
         if spec.queue:
-            return _enqueue(spec, build_body, problem)
+            return _enqueue(spec, build_body, problem, record)
         raise problem from None
 
 
 def _enqueue(
-    spec: AdmissionSpec, build_body: Callable[[Reservation], dict[str, Any]], problem: QuotaExceeded
+    spec: AdmissionSpec,
+    build_body: Callable[[Reservation], dict[str, Any]],
+    problem: QuotaExceeded,
+    record: Callable[[str], int | None] | None,
 ) -> Admitted:
     try:
         with transaction.atomic(durable=True):
@@ -179,6 +184,7 @@ def _enqueue(
             reservation = _new_reservation(
                 spec,
                 State.PROPOSED,
+                manifest_id=record(State.PROPOSED) if record is not None else spec.manifest_id,
                 queue_deadline=db_now + timedelta(seconds=spec.queue_deadline_seconds),
                 request_body=spec.request_body,
                 failure_reason=problem.detail,

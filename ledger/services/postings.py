@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 
+from django.db import connection
 from django.db.models import F, Sum
+from django.db.models.sql import InsertQuery
 
 from ledger import locks
 from ledger.errors import (
@@ -225,3 +228,66 @@ def post_to_account(
         reason=reason[:300],
         created_by=created_by,
     )
+
+
+# The conditional hold: a limit is respected when the balance after the hold stays within it (Read Committed
+# re-checks the WHERE clause on the latest row version, so two holds never both pass on stale balances).
+_WITHIN_LIMITS = """
+    (a.input_limit IS NULL OR %(i)s = 0 OR a.input_reserved + a.input_consumed + %(i)s <= a.input_limit)
+    AND (a.output_limit IS NULL OR %(o)s = 0
+         OR a.output_reserved + a.output_consumed + %(o)s <= a.output_limit)
+    AND (a.concurrency_limit IS NULL OR a.in_flight + 1 <= a.concurrency_limit)
+"""
+
+
+def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -> set[int]:
+    """Insert a new reservation and hold its input, output and one concurrency slot on every account, each
+    conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement.
+
+    Returns the accounts that were held; when one is missing the caller must roll the transaction back (the
+    others were held). Accounts are locked in ascending id order (the canonical order); the reservation row is
+    new, so nothing else can be waiting on it. Raises IntegrityError for an Idempotency-Key already used.
+    """
+    insert = InsertQuery(Reservation)
+    insert.insert_values(list(Reservation._meta.concrete_fields), [reservation])
+    ((insert_sql, insert_params),) = insert.get_compiler(connection=connection).as_sql()
+    amounts = {"i": reservation.input_reserved, "o": reservation.output_reserved, "rid": reservation.pk}
+    cte = (
+        """
+        , ordered AS (SELECT id FROM ledger_capacityaccount WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE)
+        , held AS (
+            UPDATE ledger_capacityaccount AS a
+               SET input_reserved = a.input_reserved + %(i)s,
+                   output_reserved = a.output_reserved + %(o)s,
+                   in_flight = a.in_flight + 1
+              FROM ordered
+             WHERE a.id = ordered.id AND """
+        + _WITHIN_LIMITS
+        + """
+            RETURNING a.id, a.period_start)
+        , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT %(rid)s, id FROM held)
+        , entries AS (
+            INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
+                input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
+            SELECT id, %(rid)s, 'HOLD', %(i)s, %(o)s, 0, 0, 1, period_start, '', '', now() FROM held)
+        SELECT COALESCE(array_agg(id), '{}') FROM held
+        """
+    )
+    # The reservation's INSERT comes from Django's compiler (positional %s); the rest is bound by name, so
+    # both are rendered to positional parameters here.
+    named_sql, named_params = _positional(cte, {**amounts, "ids": sorted(account_ids)})
+    with connection.cursor() as cursor:
+        cursor.execute(f"WITH new_reservation AS ({insert_sql}){named_sql}", [*insert_params, *named_params])
+        (held,) = cursor.fetchone()
+    return set(held)
+
+
+def _positional(sql: str, params: dict[str, object]) -> tuple[str, list[object]]:
+    """``%(name)s`` placeholders to ``%s`` with the values in order (a name may repeat)."""
+    values: list[object] = []
+
+    def take(match: re.Match[str]) -> str:
+        values.append(params[match.group(1)])
+        return "%s"
+
+    return re.sub(r"%\((\w+)\)s", take, sql), values

@@ -111,7 +111,7 @@ def whole_stream_count(tokenizer_file: str, pieces: Any) -> int:
 )
 def test_count_is_exact_for_both_real_tokenizers(api, pool, model, tenant):
     from budgeting.catalog.models import ModelRevision
-    from budgeting.catalog.selectors import model_spec
+    from budgeting.catalog.snapshot import model_spec
     from ladder.components import Limits
     from ladder.parser import parse_components
     from ladder.templates import get_template

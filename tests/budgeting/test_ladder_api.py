@@ -14,10 +14,10 @@ import pytest
 from rest_framework.test import APIClient
 
 from budgeting.admission.models import Manifest
+from budgeting.catalog import snapshot as catalog
 from budgeting.catalog.models import ModelRevision, PolicyAlias, PolicyState, PolicyVersion, Tokenizer
 from budgeting.provisioning.apply import apply_config
 from budgeting.provisioning.source import load_file
-from budgeting.catalog import selectors as catalog
 from ladder.components import HARD_BUCKETS
 from ladder.counting import CountingUnavailable
 from ledger.models import Reservation, State
@@ -331,7 +331,7 @@ def test_a_missing_tokenizer_file_rejects_or_bounds_as_the_policy_says(
     # Neither the catalog's digest → file-name cache nor the loaded-tokenizer cache may hide a missing file.
     spec = catalog.model_spec(ModelRevision.objects.select_related("tokenizer").get(name=PRIMARY))
     with pytest.raises(CountingUnavailable, match="unavailable"):
-        catalog.counter_for_spec(spec)
+        catalog.current()[0].counter_for(spec)
 
     rejected = admit(api, envelope(base_components(), request_id="req-cu-reject"))
     assert rejected.status_code == 503, rejected.json()

@@ -9,7 +9,7 @@ from budgeting.catalog.errors import DomainError
 from budgeting.catalog import policies as policy_services
 from budgeting.catalog.changes import Actor
 from budgeting.catalog.models import PolicyAlias, PolicyVersion
-from budgeting.catalog.selectors import ACTIVE_ALIAS
+from budgeting.catalog.snapshot import ACTIVE_ALIAS
 
 
 class Command(BaseCommand):
