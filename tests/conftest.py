@@ -8,12 +8,13 @@ import pytest
 @pytest.fixture
 def redis_db():
     """The real Redis, flushed of this suite's count keys before and after."""
-    from budgeting.admission.count_cache import redis_client
+    from budgeting.admission.count_cache import count_cache, redis_client
 
     client = redis_client()
     client.ping()
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)
+    count_cache().local.clear()
     yield client
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)
@@ -27,3 +28,18 @@ def fresh_account_cache():
     forget_account_cache()
     yield
     forget_account_cache()
+
+
+@pytest.fixture
+def demo_api(redis_db):
+    """A client of the demo gateway, with the demo configuration provisioned."""
+    from rest_framework.test import APIClient
+
+    from budgeting.provisioning.apply import apply_config
+    from budgeting.provisioning.source import load_file
+    from tests.demo import DEMO, DEMO_TOKEN
+
+    apply_config(load_file(DEMO))
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {DEMO_TOKEN}")
+    return client

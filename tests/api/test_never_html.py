@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import os
+import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +18,9 @@ from rest_framework.test import APIClient
 
 from budgeting.admission import count_cache
 from ledger.models import Reservation
-from tests.api.conftest import DEMO_TOKEN as TOKEN
+from tests import live
 from tests.api.test_admissions import request_body
+from tests.demo import DEMO_TOKEN as TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,41 +100,12 @@ def closed_port() -> int:
 @pytest.mark.django_db(transaction=True)
 def test_a_chunked_body_is_read_through_gunicorn(demo_api):
     """Django alone reads a chunked body as empty (no Content-Length); gunicorn decodes the chunks."""
-    port = closed_port()
-    env = {
-        **os.environ,
-        "DATABASE_URL": database_url(),
-        "DJANGO_SETTINGS_MODULE": "budgeting.settings",
-    }
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "budgeting.wsgi:application",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            "1",
-            # A loaded CI machine may take long over the first request's imports; do not kill the worker.
-            "--timeout",
-            "300",
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env=env,
-    )
-    try:
-        wait_for_port(port)
-        payload = request_body()
-        import json
-
-        raw = json.dumps(payload).encode()
-        chunks = iter([raw[: len(raw) // 2], raw[len(raw) // 2 :]])
+    payload = request_body()
+    raw = json.dumps(payload).encode()
+    with live.gunicorn() as base:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/api/v1/admissions:count",
-            data=chunks,
+            f"{base}/api/v1/admissions:count",
+            data=iter([raw[: len(raw) // 2], raw[len(raw) // 2 :]]),
             method="POST",
             headers={
                 "Authorization": f"Bearer {TOKEN}",
@@ -146,22 +116,3 @@ def test_a_chunked_body_is_read_through_gunicorn(demo_api):
         with urllib.request.urlopen(req, timeout=300) as res:
             assert res.status == 200
             assert json.loads(res.read())["requestId"] == payload["requestId"]
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
-def database_url() -> str:
-    s = connection.settings_dict
-    return f"postgres://{s['USER']}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
-
-
-def wait_for_port(port: int, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/", timeout=2):
-                return
-        except OSError:  # refused, reset, or no answer yet while the worker starts
-            time.sleep(0.2)
-    raise AssertionError(f"gunicorn did not answer on {port}")
