@@ -5,11 +5,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Sum
+from django.db.models import Q, Sum
 
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
 
@@ -106,6 +106,21 @@ def reservation_detail(reservation: Reservation) -> dict[str, Any]:
         "settledAt": reservation.settled_at.isoformat() if reservation.settled_at else None,
         "updatedAt": reservation.updated_at.isoformat(),
     }
+
+
+# Failure reasons in which gateways report a provider's context-window refusal.
+CONTEXT_OVERFLOW_PATTERN = r"context[ _-]?(length|window|overflow)|prompt is too long|CONTEXT_OVERFLOW"
+
+
+def leak_filter(now: datetime) -> Q:
+    """Reservations holding capacity they should not: the leak definition of ``ledger.selectors.audit``
+    (a terminal reservation still holding output or concurrency; a dispatched call whose lease expired and
+    that is not RECONCILING), as one query."""
+    terminal = Q(state__in=[State.SETTLED, State.REJECTED]) & (Q(concurrency_held=True) | Q(remaining__gt=0))
+    expired = Q(
+        state__in=[State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED], lease_expires_at__lt=now
+    )
+    return terminal | expired
 
 
 BALANCE_FIELDS = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")

@@ -29,8 +29,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from budgeting.admission.models import Manifest
-from budgeting.backoffice.reports.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
 from ledger.models import Reservation, State
+from ledger.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
 
 logger = logging.getLogger(__name__)
 

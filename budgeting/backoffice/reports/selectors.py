@@ -8,18 +8,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Min, OuterRef, Q, QuerySet, Subquery, Sum
+from django.db.models import Count, Min, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDate
 
 from budgeting.admission.models import Manifest
 from budgeting.backoffice.reports.query import ReportQuery
 from budgeting.catalog.models import ModelPool, TaskClass, Tenant
 from ledger.models import EntryKind, Hold, LedgerEntry, Reservation, State
+from ledger.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
 
 # Gateways report a provider's context-window refusal through POST .../fail with a reason; these are the
 # spellings providers use (OpenAI "context_length_exceeded", Anthropic "prompt is too long", generic ones).
-CONTEXT_OVERFLOW_PATTERN = r"context[ _-]?(length|window|overflow)|prompt is too long|CONTEXT_OVERFLOW"
-
 # Input deviation: (provider-reported − our count) / our count, in percent, bucketed for the chart.
 DEVIATION_EDGES = (-10.0, -5.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -179,17 +178,6 @@ def quality_by_rung(q: ReportQuery) -> list[dict[str, Any]]:
 
 
 # --- leaks, overflows, backlog, drift -----------------------------------------------------------------------
-
-
-def leak_filter(now: datetime) -> Q:
-    """Reservations holding capacity they should not: the leak definition of ``ledger.selectors.audit``
-    (a terminal reservation still holding output or concurrency; a dispatched call whose lease expired and
-    that is not RECONCILING), as one query."""
-    terminal = Q(state__in=[State.SETTLED, State.REJECTED]) & (Q(concurrency_held=True) | Q(remaining__gt=0))
-    expired = Q(
-        state__in=[State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED], lease_expires_at__lt=now
-    )
-    return terminal | expired
 
 
 def leaks(q: ReportQuery, now: datetime) -> dict[str, Any]:
