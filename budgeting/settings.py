@@ -7,7 +7,9 @@ does not set, so ``manage.py`` works beside a running platform with no configura
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -108,14 +110,61 @@ if not REDIS_URL.startswith(("redis://", "rediss://", "unix://")):
     raise ImproperlyConfigured(f"REDIS_URL must be a redis:// or unix:// URL, got {REDIS_URL!r}")
 
 DEBUG = env_bool("DEBUG", False)
+# "production" is a deployment: it must bring its own SECRET_KEY and gets the HTTPS settings below by
+# default. "local" (the default) is a checkout: ./platform run, tests and manage.py.
+DJANGO_ENV = env("DJANGO_ENV", "local")
+if DJANGO_ENV not in {"local", "production"}:
+    raise ImproperlyConfigured(f"DJANGO_ENV={DJANGO_ENV!r} must be 'local' or 'production'")
+PRODUCTION = DJANGO_ENV == "production"
+SECRET_KEY_FILE = VAR_DIR / "secret_key"
 SECRET_KEY = env("SECRET_KEY") or ""
+if not SECRET_KEY and PRODUCTION:
+    raise ImproperlyConfigured(
+        "SECRET_KEY is not set: a production configuration (DJANGO_ENV=production) needs its own, e.g. "
+        "python -c 'import secrets; print(secrets.token_urlsafe(50))'"
+    )
+if not SECRET_KEY and SECRET_KEY_FILE.exists():
+    # The random key ./platform run generated on its first run, so manage.py signs as the platform does.
+    SECRET_KEY = SECRET_KEY_FILE.read_text().strip()
 if not SECRET_KEY:
-    if not DEBUG and env_bool("REQUIRE_SECRET_KEY", False):
-        raise ImproperlyConfigured("SECRET_KEY is required")
-    SECRET_KEY = "insecure-local-only-" + str(BASE_DIR)
+    # Nothing signed with it outlives this process, so nobody can forge it.
+    SECRET_KEY = secrets.token_urlsafe(50)
 ALLOWED_HOSTS = [h.strip() for h in (env("ALLOWED_HOSTS", "127.0.0.1,localhost,testserver") or "").split(",")]
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in (env("CSRF_TRUSTED_ORIGINS", "") or "").split(",") if o.strip()]
 
+
+def proxy_ssl_header(raw: str | None) -> tuple[str, str] | None:
+    """``X-Forwarded-Proto: https`` (the header a trusted TLS proxy sets, and its value) as Django's
+    SECURE_PROXY_SSL_HEADER."""
+    if not raw:
+        return None
+    name, sep, value = raw.partition(":")
+    if not sep or not name.strip() or not value.strip():
+        raise ImproperlyConfigured(
+            f"SECURE_PROXY_SSL_HEADER={raw!r} must look like 'X-Forwarded-Proto: https'"
+        )
+    return "HTTP_" + name.strip().upper().replace("-", "_"), value.strip()
+
+
+# HTTPS: on by default in production (manage.py check --deploy passes), off for the local http run.
+SECURE_PROXY_SSL_HEADER = proxy_ssl_header(env("SECURE_PROXY_SSL_HEADER"))
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", PRODUCTION)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", PRODUCTION)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", PRODUCTION)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 24 * 3600 if PRODUCTION else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", PRODUCTION)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", PRODUCTION)
+
+# GET /metrics answers a scrape that carries this bearer token, or comes from one of these networks.
+METRICS_TOKEN = env("METRICS_TOKEN") or ""
+try:
+    METRICS_ALLOWED_NETWORKS = [
+        ipaddress.ip_network(part.strip())
+        for part in (env("METRICS_ALLOWED_NETWORKS", "") or "").split(",")
+        if part.strip()
+    ]
+except ValueError as error:
+    raise ImproperlyConfigured(f"METRICS_ALLOWED_NETWORKS: {error}") from None
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",

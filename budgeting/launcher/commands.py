@@ -1,10 +1,12 @@
 """The launcher's two commands: ``run`` serves the demo platform, ``test`` runs pytest.
 
 * ``run`` migrates, provisions the demo file, makes sure an admin superuser exists, collects static files,
-  then supervises gunicorn, a Celery worker and Celery beat until Ctrl-C or SIGTERM. It is the demo
-  platform: unless the environment says otherwise, leases last ``DEMO_LEASE_SECONDS`` (so a crashed
-  gateway's reservation is reclaimed within seconds, e.g. during ``manage.py simulate``), gunicorn runs
-  several workers, and their latency metrics are merged through ``PROMETHEUS_MULTIPROC_DIR``.
+  then supervises gunicorn (two masters serving one socket), a Celery worker, Celery beat and the embedded
+  servers until Ctrl-C or SIGTERM: what dies is restarted (``supervisor``), a crash loop stops everything.
+  It is the demo platform: unless the environment says otherwise, leases last ``DEMO_LEASE_SECONDS`` (so a
+  crashed gateway's reservation is reclaimed within seconds, e.g. during ``manage.py simulate``), gunicorn
+  runs several workers, their latency metrics are merged through ``PROMETHEUS_MULTIPROC_DIR``, and the
+  Django secret key and the metrics scrape token are generated once and kept in ``var/``.
 * ``test`` runs pytest with the given arguments and exits with pytest's exit code.
 
 ``run`` keeps its embedded data in ``var/pg`` and ``var/redis``; ``test`` uses ``var/test-pg`` and
@@ -31,23 +33,26 @@ from budgeting.launcher.processes import (
     BASE_DIR,
     CHILD_GRACE_SECONDS,
     LOOPBACK,
-    Child,
     LaunchError,
     Stop,
+    generated_secret,
+    http_answers,
+    listen,
     note_repeat,
-    port_accepts,
     say,
-    spawn,
     stop_children,
     var_dir,
     write_private,
 )
+from budgeting.launcher.supervisor import Program, RestartPolicy, Supervisor
 
 DEMO_FILE = BASE_DIR / "budgeting" / "demo" / "demo.yaml"
 ADMIN_USERNAME = "admin"
 HTTP_READY_SECONDS = 60.0
 DEMO_LEASE_SECONDS = 15
 MAX_WEB_WORKERS = 4
+SECRET_KEY_FILE = "secret_key"
+METRICS_TOKEN_FILE = "metrics_token"
 
 
 def prepare_database() -> None:
@@ -56,9 +61,13 @@ def prepare_database() -> None:
     Raises LaunchError when a management command reports an error.
     """
     import django
+    from django.core.exceptions import ImproperlyConfigured
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
-    django.setup()
+    try:
+        django.setup()
+    except ImproperlyConfigured as error:
+        raise LaunchError(f"the settings refuse to load: {error}") from error
     from django.core.management import CommandError, call_command
     from django.db import connections
 
@@ -96,10 +105,16 @@ def demo_environment(root: Path) -> None:
     """Defaults of the demo platform for what the environment does not set (see the module docstring).
 
     The metrics folder is emptied first: files left by an earlier run's workers would be merged into this
-    run's scrapes.
+    run's scrapes. A production configuration (``DJANGO_ENV=production``) gets no generated secret key: its
+    operator provides one, and the settings refuse to load without it.
     """
+    root.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("LEASE_SECONDS", str(DEMO_LEASE_SECONDS))
     os.environ.setdefault("WEB_CONCURRENCY", str(min(MAX_WEB_WORKERS, 2 * (os.cpu_count() or 1))))
+    if "SECRET_KEY" not in os.environ and os.environ.get("DJANGO_ENV") != "production":
+        os.environ["SECRET_KEY"] = generated_secret(root / SECRET_KEY_FILE)
+    if "METRICS_TOKEN" not in os.environ:
+        os.environ["METRICS_TOKEN"] = generated_secret(root / METRICS_TOKEN_FILE)
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         metrics_dir = root / "prometheus"
         metrics_dir.mkdir(parents=True, exist_ok=True)
@@ -108,17 +123,60 @@ def demo_environment(root: Path) -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
 
 
+def programs(api_socket: int, root: Path) -> list[Program]:
+    """gunicorn, the Celery worker and Celery beat.
+
+    Two gunicorn masters serve the API's socket (the file descriptor ``api_socket``, see ``listen``) once
+    there are two workers to share, so that the API keeps answering while one master is being restarted.
+    """
+    raw_workers = os.environ["WEB_CONCURRENCY"]
+    if not raw_workers.isdigit() or int(raw_workers) < 1:
+        raise LaunchError(f"WEB_CONCURRENCY={raw_workers!r} is not a positive number of workers")
+    workers = int(raw_workers)
+    masters = 2 if workers >= 2 else 1
+    python = sys.executable
+    web = [
+        Program(
+            f"gunicorn {index + 1}" if masters > 1 else "gunicorn",
+            [python, "-m", "gunicorn", "budgeting.wsgi:application", "--bind", f"fd://{api_socket}",
+             "--config", "python:budgeting.gunicorn_conf",
+             "--workers", str(workers // masters + (index < workers % masters)),
+             "--graceful-timeout", "20", "--access-logfile", "-"],
+            pass_fds=[api_socket],
+        )
+        for index in range(masters)
+    ]  # fmt: skip
+    return [
+        *web,
+        Program("celery worker", [python, "-m", "celery", "-A", "budgeting", "worker", "--loglevel", "INFO"]),
+        Program(
+            "celery beat",
+            [python, "-m", "celery", "-A", "budgeting", "beat", "--loglevel", "INFO",
+             "--schedule", str(root / "celerybeat-schedule")],
+        ),
+    ]  # fmt: skip
+
+
+def metrics_access(root: Path) -> str:
+    """How to scrape: the generated token is shown (it is the demo's); an operator's own is only named."""
+    token = os.environ["METRICS_TOKEN"]
+    kept = root / METRICS_TOKEN_FILE
+    if kept.exists() and kept.read_text().strip() == token:
+        return f"Authorization: Bearer {token}, kept in {kept}"
+    return "Authorization: Bearer $METRICS_TOKEN"
+
+
 def run(stack: contextlib.ExitStack) -> int:
-    """Serve until a signal arrives (exit 0) or a supervised process dies (exit 1)."""
+    """Serve and supervise until a signal arrives (exit 0); raise LaunchError on a crash loop."""
     began = time.monotonic()
     raw_port = os.environ.get("PORT", "8000")
     if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
         raise LaunchError(f"PORT={raw_port!r} is not a TCP port number")
     port = int(raw_port)
-    if port_accepts(port):
-        raise LaunchError(f"{LOOPBACK}:{port} is already in use; stop whatever serves it or set PORT")
+    api_socket = stack.enter_context(listen(port))
     root = var_dir()
     demo_environment(root)
+    apps = programs(api_socket.fileno(), root)
     services = provide_services(stack, prefix="", durable=True)
     if services.postgres or services.redis:
         env_file = root / "embedded.env"
@@ -128,51 +186,39 @@ def run(stack: contextlib.ExitStack) -> int:
         stack.callback(env_file.unlink, missing_ok=True)
     prepare_database()
 
-    python = sys.executable
-    commands = {
-        "gunicorn": [python, "-m", "gunicorn", "budgeting.wsgi:application", "--bind", f"{LOOPBACK}:{port}",
-                     "--config", "python:budgeting.gunicorn_conf",
-                     "--workers", os.environ["WEB_CONCURRENCY"], "--graceful-timeout", "20",
-                     "--access-logfile", "-"],
-        "celery worker": [python, "-m", "celery", "-A", "budgeting", "worker", "--loglevel", "INFO"],
-        "celery beat": [python, "-m", "celery", "-A", "budgeting", "beat", "--loglevel", "INFO",
-                        "--schedule", str(root / "celerybeat-schedule")],
-    }  # fmt: skip
-    children: list[Child] = []
-    stack.callback(stop_children, children)
-    for name, argv in commands.items():
-        children.append(Child(name, spawn(argv)))
-
+    stack.callback(lambda: stop_children([app.child for app in apps if app.child is not None]))
+    for app in apps:
+        app.start()
+    units = [*apps, *services.supervised()]
     deadline = time.monotonic() + HTTP_READY_SECONDS
-    while not port_accepts(port):
-        failed = next((child for child in children if child.process.poll() is not None), None)
+    while not http_answers(port):
+        # Before the platform is up a death is a configuration error, not something to retry.
+        failed = next(((unit.name, reason) for unit in units if (reason := unit.exit_reason())), None)
         if failed is not None or time.monotonic() > deadline:
-            reason = f"{failed.name} exited" if failed else f"nothing answers on port {port}"
-            raise LaunchError(f"the platform did not come up: {reason}")
+            why = " ".join(failed) if failed else f"nothing answers on port {port}"
+            raise LaunchError(f"the platform did not come up: {why}")
         time.sleep(0.2)
+    policy = RestartPolicy()
+    masters = sum(app.name.startswith("gunicorn") for app in apps)
     base = f"http://{LOOPBACK}:{port}"
     lines = [
         f"up in {time.monotonic() - began:.1f}s",
         f"API             {base}/api/v1/",
         f"Admin           {base}/admin/",
         f"OpenAPI schema  {base}/api/v1/schema",
-        f"Metrics         {base}/metrics",
+        f"Metrics         {base}/metrics  ({metrics_access(root)})",
         f"Leases          {os.environ['LEASE_SECONDS']}s (LEASE_SECONDS)",
-        f"Web workers     {os.environ['WEB_CONCURRENCY']} (WEB_CONCURRENCY)",
+        f"Web workers     {os.environ['WEB_CONCURRENCY']} (WEB_CONCURRENCY), {masters} gunicorn master(s)",
         *services.describe(),
+        f"Restarts        whatever dies, with backoff; {policy.crash_loop_deaths} deaths of one process "
+        f"within {policy.crash_loop_window_s:g}s stop everything",
         "Ctrl-C stops everything.",
     ]
     say("\n  ".join(lines))
 
+    supervisor = Supervisor(units, policy)
     while True:
-        failed = next((child for child in children if child.process.poll() is not None), None)
-        if failed is not None:
-            say(f"{failed.name} exited with code {failed.process.returncode}; stopping the platform")
-            return 1
-        dead = services.dead()
-        if dead is not None:
-            say(f"{dead} stopped; stopping the platform")
-            return 1
+        supervisor.check()
         time.sleep(0.5)
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import http.client
 import os
 import pwd
+import secrets
 import signal
 import socket
 import subprocess
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 BASE_DIR = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -51,26 +55,70 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def port_accepts(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((LOOPBACK, port)) == 0
+def listen(port: int) -> socket.socket:
+    """The API's listening socket on ``LOOPBACK:port``, bound here and handed to every gunicorn master.
+
+    One socket for all masters means one queue of connections: while a master is being restarted the
+    other one's workers take everything, and no connection waits in a socket that is about to close.
+    Raises LaunchError when the port is taken.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((LOOPBACK, port))
+    except OSError as error:
+        sock.close()
+        raise LaunchError(
+            f"{LOOPBACK}:{port} is not free ({error}); stop whatever serves it or set PORT"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
-def die_with_launcher() -> None:
-    """Runs in each child before exec: Linux sends it SIGTERM if the launcher dies without cleaning up."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def http_answers(port: int) -> bool:
+    """Whether gunicorn answers HTTP on ``port`` (the socket itself accepts as soon as it is bound)."""
+    connection = http.client.HTTPConnection(LOOPBACK, port, timeout=2)
+    try:
+        connection.request("GET", "/api/v1/")
+        connection.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+    return True
 
 
-def spawn(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+def die_with_launcher(signum: int) -> None:
+    """Runs in each child before exec: Linux sends it ``signum`` if the launcher dies without cleaning up."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
+
+
+def spawn(
+    argv: Sequence[str],
+    *,
+    user: str | None = None,
+    output: IO[bytes] | None = None,
+    death_signal: int = signal.SIGTERM,
+    pass_fds: Sequence[int] = (),
+) -> subprocess.Popen[bytes]:
     """Start a supervised child in its own session: a terminal Ctrl-C reaches only the launcher, which then
-    stops the children in order (applications first, then Redis and PostgreSQL)."""
+    stops the children in order (applications first, then Redis and PostgreSQL). ``user`` runs it as that
+    user, ``output`` takes its stdout and stderr, ``pass_fds`` are inherited (the API's socket)."""
+    group = pwd.getpwnam(user).pw_gid if user is not None else None
     return subprocess.Popen(
         list(argv),
         cwd=BASE_DIR,
         stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
         start_new_session=True,
-        preexec_fn=die_with_launcher if sys.platform == "linux" else None,
+        user=user,
+        group=group,
+        extra_groups=[] if user is not None else None,
+        pass_fds=tuple(pass_fds),
+        # Set after the user switch (Popen switches first), which would otherwise clear it.
+        preexec_fn=functools.partial(die_with_launcher, death_signal) if sys.platform == "linux" else None,
     )
 
 
@@ -108,17 +156,43 @@ def write_private(path: Path, text: str) -> None:
     temporary.replace(path)
 
 
+def generated_secret(path: Path) -> str:
+    """The secret kept in ``path``, created at random (owner-only) the first time and reused afterwards."""
+    if path.exists():
+        value = path.read_text().strip()
+        if value:
+            return value
+    value = secrets.token_urlsafe(48)
+    write_private(path, value + "\n")
+    return value
+
+
 @dataclass
 class Child:
-    """A supervised process."""
+    """A supervised process; ``stop_signal`` asks it to stop (PostgreSQL's fast shutdown is SIGINT)."""
 
     name: str
     process: subprocess.Popen[bytes]
+    stop_signal: signal.Signals = signal.SIGTERM
 
     def send(self, signum: signal.Signals) -> None:
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signum)
+
+    def exit_reason(self) -> str | None:
+        """How the process ended (``exited with code 1``, ``was killed by SIGKILL``), None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def end_leftovers(self) -> None:
+        """Ask what is left of a dead child's session (gunicorn workers, Celery pool processes) to stop."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGTERM)
 
     def finish(self, deadline: float) -> None:
         """Wait for the process until ``deadline``, then kill what is left of its session."""
@@ -135,7 +209,7 @@ class Child:
 def stop_children(children: Sequence[Child]) -> None:
     """Ask every child to stop at once, then wait for all of them under one shared deadline."""
     for child in children:
-        child.send(signal.SIGTERM)
+        child.send(child.stop_signal)
     deadline = time.monotonic() + CHILD_GRACE_SECONDS
     for child in children:
         child.finish(deadline)

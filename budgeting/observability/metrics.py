@@ -1,4 +1,4 @@
-"""Prometheus metrics: ``GET /metrics``.
+"""Prometheus metrics: ``GET /metrics``, for scrapers the operator allowed (a bearer token or a network).
 
 Most series are read from the database at scrape time by ``DatabaseCollector`` (admissions from the manifests,
 deviation, overruns, leaks, backlog and quality from the reservations). Whichever gunicorn worker answers the
@@ -8,15 +8,22 @@ Latencies can only be observed in the process that served the request. ``observe
 ``observe_ladder_latency`` record them in prometheus_client histograms; when ``PROMETHEUS_MULTIPROC_DIR`` is
 set (it must be, before the workers start, under a multi-process WSGI server) the values go to files in that
 folder and every scrape merges all workers' files.
+
+The series name tenants and their traffic, so a scrape must carry ``Authorization: Bearer <METRICS_TOKEN>``
+or come from one of ``METRICS_ALLOWED_NETWORKS``; anything else gets a plain-text 401 (or 403 when no token
+is configured at all), never the series.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
 import os
 from collections.abc import Iterator
 from datetime import datetime
 
+from django.conf import settings
 from django.db import DatabaseError, connection
 from django.db.models import Count, IntegerField, Q, Sum
 from django.db.models.fields.json import KT
@@ -272,7 +279,40 @@ def registry(now: datetime | None = None) -> CollectorRegistry:
     return scrape
 
 
+def refusal(request: HttpRequest) -> HttpResponse | None:
+    """Why this scrape may not read the series (401 without the right token, 403 without any configured),
+    or None when it may."""
+    networks = settings.METRICS_ALLOWED_NETWORKS
+    if networks:
+        try:
+            address = ipaddress.ip_address(request.META.get("REMOTE_ADDR", ""))
+        except ValueError:
+            address = None
+        if address is not None and any(address in network for network in networks):
+            return None
+    token: str = settings.METRICS_TOKEN
+    if not token:
+        return HttpResponse(
+            "metrics are served only to METRICS_ALLOWED_NETWORKS; set METRICS_TOKEN to scrape elsewhere\n",
+            status=403,
+            content_type="text/plain; charset=utf-8",
+        )
+    scheme, _, offered = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(offered.strip().encode(), token.encode()):
+        return None
+    response = HttpResponse(
+        "a scrape needs the header Authorization: Bearer <METRICS_TOKEN>\n",
+        status=401,
+        content_type="text/plain; charset=utf-8",
+    )
+    response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+    return response
+
+
 @require_GET
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """GET /metrics in the Prometheus text format."""
+    """GET /metrics in the Prometheus text format, for an allowed scraper."""
+    refused = refusal(request)
+    if refused is not None:
+        return refused
     return HttpResponse(generate_latest(registry()), content_type=CONTENT_TYPE_LATEST)

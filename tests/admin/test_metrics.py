@@ -1,8 +1,10 @@
-"""GET /metrics: the series read from the database agree with it, latencies are exposed, and in
-multiprocess mode observations from several processes are merged."""
+"""GET /metrics: only an allowed scraper (bearer token or network) reads it; the series read from the
+database agree with it, latencies are exposed, and in multiprocess mode observations from several processes
+are merged."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -23,10 +25,17 @@ from tests.admin.scenario import record
 
 pytestmark = pytest.mark.django_db
 REPO = Path(__file__).resolve().parents[2]
+TOKEN = "scrape-token-for-tests"
+
+
+@pytest.fixture(autouse=True)
+def metrics_token(settings):
+    settings.METRICS_TOKEN = TOKEN
+    settings.METRICS_ALLOWED_NETWORKS = []
 
 
 def scrape() -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    response = Client().get("/metrics")
+    response = Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
@@ -38,6 +47,38 @@ def scrape() -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
 
 def value(samples, name: str, **labels: str) -> float:
     return samples[name][tuple(sorted(labels.items()))]
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-token", f"Basic {TOKEN}", "Bearer"])
+def test_a_scrape_without_the_token_is_refused_without_a_series(scenario, authorization):
+    headers = {} if authorization is None else {"HTTP_AUTHORIZATION": authorization}
+    response = Client().get("/metrics", **headers)
+    assert response.status_code == 401
+    assert response["WWW-Authenticate"] == 'Bearer realm="metrics"'
+    assert response["Content-Type"].startswith("text/plain")
+    assert b"tokenbudget_" not in response.content and b"t-19" not in response.content
+
+
+def test_with_no_token_configured_metrics_are_refused_to_everyone(settings, scenario):
+    settings.METRICS_TOKEN = ""
+    for headers in ({}, {"HTTP_AUTHORIZATION": "Bearer "}, {"HTTP_AUTHORIZATION": f"Bearer {TOKEN}"}):
+        response = Client().get("/metrics", **headers)
+        assert response.status_code == 403
+        assert b"t-19" not in response.content
+
+
+def test_an_allowed_network_scrapes_without_a_token(settings, scenario):
+    settings.METRICS_TOKEN = ""
+    settings.METRICS_ALLOWED_NETWORKS = [ipaddress.ip_network("10.8.0.0/16"), ipaddress.ip_network("::1/128")]
+    inside = Client(REMOTE_ADDR="10.8.3.4").get("/metrics")
+    assert inside.status_code == 200 and b'tenant="t-19"' in inside.content
+    assert Client(REMOTE_ADDR="::1").get("/metrics").status_code == 200
+    assert Client(REMOTE_ADDR="10.9.0.1").get("/metrics").status_code == 403
+    # With a token configured as well, outsiders may still scrape with it.
+    settings.METRICS_TOKEN = TOKEN
+    outsider = Client(REMOTE_ADDR="10.9.0.1")
+    assert outsider.get("/metrics").status_code == 401
+    assert outsider.get("/metrics", HTTP_AUTHORIZATION=f"Bearer {TOKEN}").status_code == 200
 
 
 def test_admissions_by_tenant_task_rung_decision_and_mode(scenario):
