@@ -24,15 +24,19 @@ class ApiUnavailable(GatewayError):
 
 
 class ApiError(GatewayError):
-    """Our API answered with an error (problem+json); ``code`` is its machine-readable code."""
+    """Our API answered with an error (problem+json); ``code`` is its machine-readable code and
+    ``retry_after`` its ``Retry-After`` header, if any."""
 
-    def __init__(self, status: int, problem: Mapping[str, Any] | None, path: str) -> None:
+    def __init__(
+        self, status: int, problem: Mapping[str, Any] | None, path: str, retry_after: str | None = None
+    ) -> None:
         self.status = status
         self.problem: Mapping[str, Any] = problem or {}
         self.code: str | None = (
             self.problem.get("code") if isinstance(self.problem.get("code"), str) else None
         )
         self.path = path
+        self.retry_after = retry_after
         super().__init__(f"{path}: HTTP {status} {self.code or ''} {self.problem.get('detail', '')}".rstrip())
 
 

@@ -141,7 +141,7 @@ class ApiClient:
                 error = (
                     StaleFence if problem is not None and problem.get("code") == "STALE_FENCE" else ApiError
                 )
-                raise error(status, problem, path)
+                raise error(status, problem, path, answer_headers.get("retry-after"))
             return ApiResponse(status=status, headers=answer_headers, body=parsed)
         raise ApiUnavailable(method, path, cause)
 

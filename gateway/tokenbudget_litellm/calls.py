@@ -1,0 +1,299 @@
+"""The admission protocol (SPEC §5, §8) for one call through the proxy, and what a failed call may claim.
+
+``Calls`` makes the blocking calls to our API (the hook runs them off the proxy's event loop): admit
+(waiting out a queue up to ``queue_wait_s``), dispatch, the final usage, ``fail``, ``cancel``, lease
+renewals. A ``Ticket`` is what an admission grants and what the later hooks need; it rides in the
+request's metadata. Our API's refusals become ``Refusal``s carrying the status, the problem and
+``Retry-After`` the proxy's client must see; an unreachable API raises ``ApiUnavailable`` and the hook
+decides (fail closed, or open if configured).
+
+``request_sent_of`` says what ``/fail`` may claim about a failed provider call: ``False`` only with proof
+of non-processing (the provider answered a status that documents it, or refused the connection),
+``True`` once the provider answered otherwise or streamed a chunk, ``"unknown"`` for the rest (a reset,
+a timeout, an error raised before we can tell whether anything was sent).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import quote
+
+from tokenbudget_gateway.errors import ApiError, GatewayError, ProtocolViolation, RequestSent
+from tokenbudget_gateway.protocol import (
+    ADMISSIONS_PATH,
+    Grant,
+    is_int,
+    provider_request_id_for,
+    usage_event_id,
+)
+from tokenbudget_gateway.provider import NOT_PROCESSED_STATUSES
+from tokenbudget_gateway.transport import ApiClient, ApiResponse
+
+from tokenbudget_litellm.mapping import AdmissionRequest
+
+logger = logging.getLogger(__name__)
+
+# Our API's identifier pattern: a provider id that does not fit is not used in usage event ids.
+_IDENTIFIER: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,180}")
+_MAX_REASON: Final = 300
+
+
+class Refusal(Exception):
+    """What the proxy's client gets instead of a completion: ``status``, our ``problem`` (with its
+    ``code``) and ``retry_after`` (seconds, as our API sent it)."""
+
+    def __init__(self, status: int, problem: Mapping[str, Any], retry_after: str | None = None) -> None:
+        self.status = status
+        self.problem = dict(problem)
+        self.code = str(self.problem.get("code") or "ADMISSION_REFUSED")
+        self.retry_after = retry_after
+        super().__init__(f"HTTP {status} {self.code}: {self.problem.get('detail', '')}")
+
+    @classmethod
+    def of(cls, status: int, code: str, detail: str, retry_after: str | None = None) -> Refusal:
+        """A refusal the hook itself decides, in our problem's shape."""
+        return cls(status, {"status": status, "code": code, "detail": detail}, retry_after)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted call: what the later hooks need to dispatch and settle it."""
+
+    reservation_id: str
+    fence: int
+    admitted_digest: str
+    provider_request_id: str
+    max_output: int
+    rung: str
+
+    def to_metadata(self) -> dict[str, Any]:
+        return {
+            "reservationId": self.reservation_id,
+            "fence": self.fence,
+            "admittedDigest": self.admitted_digest,
+            "providerRequestId": self.provider_request_id,
+            "maxOutput": self.max_output,
+            "rung": self.rung,
+        }
+
+    @classmethod
+    def from_metadata(cls, value: Any) -> Ticket | None:
+        """The ticket a request carries, or ``None`` (not admitted by this hook, or a malformed value)."""
+        if not isinstance(value, Mapping):
+            return None
+        try:
+            ticket = cls(
+                reservation_id=value["reservationId"],
+                fence=value["fence"],
+                admitted_digest=value["admittedDigest"],
+                provider_request_id=value["providerRequestId"],
+                max_output=value["maxOutput"],
+                rung=value["rung"],
+            )
+        except KeyError:
+            return None
+        return ticket if is_int(ticket.fence) and isinstance(ticket.reservation_id, str) else None
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The admission's answer: a ``ticket`` and the ``payload`` to send, or ``shadow`` (nothing held, the
+    request goes unchanged)."""
+
+    ticket: Ticket | None
+    payload: Any
+    shadow: bool = False
+
+
+class Calls:
+    """Our API's side of one proxied call; every method blocks (run it in a worker thread)."""
+
+    def __init__(
+        self,
+        api: ApiClient,
+        *,
+        queue_wait_s: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._api = api
+        self._queue_wait_s = queue_wait_s
+        self._sleep = sleep
+        self._monotonic = monotonic
+
+    def admit(self, request: AdmissionRequest) -> Admitted:
+        """``POST /api/v1/admissions``; a queued answer is asked again with the same key until admitted
+        or ``queue_wait_s`` has passed (then the queued reservation is cancelled and 429 ``QUEUED``).
+
+        Raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation`` otherwise.
+        """
+        deadline = self._monotonic() + self._queue_wait_s
+        while True:
+            response = self._post_admission(request)
+            if response.status != 202:
+                return self._admitted(response)
+            retry_after = _seconds(response.headers.get("retry-after"), default=2.0)
+            left = deadline - self._monotonic()
+            if left <= 0:
+                self._give_up_queued(response.body)
+                raise Refusal.of(
+                    429,
+                    "QUEUED",
+                    "no capacity now: the admission was queued and did not clear in time",
+                    response.headers.get("retry-after"),
+                )
+            self._sleep(min(retry_after, left))
+
+    def dispatch(self, ticket: Ticket) -> None:
+        """Record the dispatch; raises ``GatewayError`` (``StaleFence`` included) if it was not recorded."""
+        self._post(
+            ticket,
+            "dispatch",
+            {"providerRequestId": ticket.provider_request_id, "admittedDigest": ticket.admitted_digest},
+        )
+
+    def complete(
+        self, ticket: Ticket, *, input_tokens: int, output_tokens: int, provider_id: str | None
+    ) -> None:
+        """The final usage: the provider's totals for the call, in one event."""
+        self._post(
+            ticket,
+            "usage",
+            {
+                "usageEventId": _event_id(ticket, provider_id, 1),
+                "inputTokens": input_tokens,
+                "outputTokens": output_tokens,
+                "final": True,
+            },
+        )
+
+    def fail(self, ticket: Ticket, *, request_sent: RequestSent, reason: str, output_seen: int = 0) -> None:
+        """``/fail``; ``output_seen`` (tokens the stream delivered) is posted with it as incurred usage."""
+        body: dict[str, Any] = {"reason": reason[:_MAX_REASON], "requestSent": request_sent}
+        if output_seen:
+            body["usage"] = {"usageEventId": _event_id(ticket, None, 1), "outputTokens": output_seen}
+        self._post(ticket, "fail", body)
+
+    def cancel(self, ticket: Ticket, *, output_seen: int = 0) -> None:
+        """``/cancel``, after posting what the stream delivered so far as incurred usage."""
+        if output_seen:
+            self._post(
+                ticket,
+                "usage",
+                {"usageEventId": _event_id(ticket, None, 1), "outputTokens": output_seen, "final": False},
+            )
+        self._post(ticket, "cancel", {})
+
+    def renew(self, ticket: Ticket) -> None:
+        self._post(ticket, "lease", {})
+
+    def _post_admission(self, request: AdmissionRequest) -> ApiResponse:
+        try:
+            return self._api.request(
+                "POST", ADMISSIONS_PATH, request.body, {"Idempotency-Key": request.idempotency_key}
+            )
+        except ApiError as exc:
+            # Our 5xx are outages as far as the proxy's client is concerned: retry later.
+            status = exc.status if exc.status < 500 else 503
+            raise Refusal(status, exc.problem or {"code": "ADMISSION_FAILED"}, exc.retry_after) from exc
+
+    def _admitted(self, response: ApiResponse) -> Admitted:
+        body = response.body if isinstance(response.body, dict) else {}
+        if body.get("mode") == "SHADOW":
+            return Admitted(ticket=None, payload=None, shadow=True)
+        grant = Grant.from_response(response)
+        ticket = Ticket(
+            reservation_id=grant.reservation_id,
+            fence=grant.fence,
+            admitted_digest=grant.admitted_digest,
+            provider_request_id=provider_request_id_for(grant.reservation_id),
+            max_output=grant.max_output,
+            rung=grant.rung,
+        )
+        return Admitted(ticket=ticket, payload=grant.payload)
+
+    def _give_up_queued(self, body: Any) -> None:
+        """Cancel a queued reservation we stop waiting for, so it is never admitted for nobody."""
+        reservation_id = body.get("reservationId") if isinstance(body, dict) else None
+        if not isinstance(reservation_id, str):
+            return
+        path = f"/api/v1/reservations/{quote(reservation_id, safe='')}"
+        try:
+            current = self._api.request("GET", path).body
+            lease = current.get("lease") if isinstance(current, dict) else None
+            fence = lease.get("fence") if isinstance(lease, dict) else None
+            if not is_int(fence):
+                raise ProtocolViolation("the queued reservation shows no fence")
+            self._api.request("POST", f"{path}/cancel", {"fence": fence})
+        except GatewayError:
+            # Left queued, it is admitted or rejected by its deadline; admitted and never dispatched, its
+            # lease expires and it is released in full.
+            logger.warning("could not cancel queued reservation %s", reservation_id, exc_info=True)
+
+    def _post(self, ticket: Ticket, action: str, body: Mapping[str, Any]) -> ApiResponse:
+        path = f"/api/v1/reservations/{quote(ticket.reservation_id, safe='')}/{action}"
+        return self._api.request("POST", path, {"fence": ticket.fence, **body})
+
+
+def request_sent_of(error: BaseException, chunks_seen: int = 0) -> RequestSent:
+    """What a failed provider call may claim in ``requestSent`` (see the module docstring)."""
+    if chunks_seen > 0:
+        return True
+    for cause in _causes(error):
+        status = _answered_status(cause)
+        if status is not None:
+            return status not in NOT_PROCESSED_STATUSES
+        if isinstance(cause, ConnectionRefusedError):
+            return False
+    return "unknown"
+
+
+def failure_reason(error: BaseException) -> str:
+    """A short reason for ``/fail``: the provider's status if it answered, else the error's kind."""
+    for cause in _causes(error):
+        status = _answered_status(cause)
+        if status is not None:
+            return f"provider_http_{status}: {type(error).__name__}"
+    return f"{type(error).__name__}: {error}"[:_MAX_REASON]
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _answered_status(error: BaseException) -> int | None:
+    """The HTTP status of a provider answer this error wraps, if it is one.
+
+    Only errors the HTTP clients raise for a received answer count (httpx's ``HTTPStatusError``, the
+    OpenAI SDK's ``APIStatusError``): LiteLLM's own exceptions carry a status even for a connection
+    error, so their ``status_code`` proves nothing.
+    """
+    names = {klass.__name__ for klass in type(error).__mro__}
+    if not names & {"HTTPStatusError", "APIStatusError"}:
+        return None
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    return status if is_int(status) else None
+
+
+def _event_id(ticket: Ticket, provider_id: str | None, seq: int) -> str:
+    """A usage event id from the provider's request id (the dispatched one unless the answer named a
+    usable one)."""
+    name = provider_id if provider_id and _IDENTIFIER.fullmatch(provider_id) else ticket.provider_request_id
+    return usage_event_id(name, seq)
+
+
+def _seconds(value: str | None, *, default: float) -> float:
+    try:
+        return max(0.0, float(value)) if value is not None else default
+    except ValueError:
+        return default

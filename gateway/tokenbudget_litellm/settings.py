@@ -1,0 +1,181 @@
+"""The hook's configuration: our API, failure behaviour and, per LiteLLM model group, how requests map.
+
+Read from the JSON file named by ``TOKEN_BUDGET_LITELLM_CONFIG``; the API token itself is never in the
+file but in the environment variable the file names (``tokenEnv``, default ``TOKEN_BUDGET_TOKEN``)::
+
+    {
+      "apiUrl": "http://127.0.0.1:8000",
+      "failOpen": false,
+      "queueWaitSeconds": 0,
+      "tenantByTeam": {"legal-team": "t-19"},
+      "modelGroups": {
+        "eu-large": {
+          "modelPool": "eu-large", "modelRevision": "model@2026-07-01",
+          "taskClass": "contract-review", "tenant": null, "maxOutput": 400,
+          "systemBucket": "immutableRules", "outputSafety": ["No legal advice."],
+          "authorizationScope": {"permissions": ["contracts:read"]}, "essentialTools": ["search_clauses"]
+        }
+      }
+    }
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+CONFIG_ENV: Final = "TOKEN_BUDGET_LITELLM_CONFIG"
+SystemBucket = Literal["immutableRules", "outputSafety"]
+_SYSTEM_BUCKETS: Final = ("immutableRules", "outputSafety")
+
+
+class SettingsError(ValueError):
+    """The configuration is missing or does not have the documented shape."""
+
+
+@dataclass(frozen=True)
+class ModelGroup:
+    """How requests to one LiteLLM model group map to admissions (see ``mapping``).
+
+    ``task_class``/``tenant``: used when neither the caller's metadata nor the key's team names one.
+    ``max_output``: when the request sets no ``max_tokens``/``max_completion_tokens``. ``system_bucket``:
+    where system and developer messages go. ``output_safety``: rules added to every request.
+    ``authorization_scope``: when the caller sends none. ``essential_tools``: tools no rung may drop.
+    """
+
+    model_pool: str
+    model_revision: str
+    task_class: str | None = None
+    tenant: str | None = None
+    max_output: int = 1024
+    system_bucket: SystemBucket = "immutableRules"
+    output_safety: tuple[str, ...] = ()
+    authorization_scope: Mapping[str, Any] = field(default_factory=lambda: {"permissions": []})
+    essential_tools: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    """``fail_open``: let a call through unadmitted (logged) when admission cannot be decided, instead of
+    answering 503. ``queue_wait_s``: how long to wait for a queued (202) admission before answering 429.
+    ``lease_renew_s``: how often a running stream renews its lease. ``unlisted``: what happens to a model
+    group that is not configured (``reject``: 400, ``pass``: not admitted, as if the hook were absent)."""
+
+    api_url: str
+    token: str
+    model_groups: Mapping[str, ModelGroup]
+    tenant_by_team: Mapping[str, str] = field(default_factory=dict)
+    fail_open: bool = False
+    timeout_s: float = 10.0
+    queue_wait_s: float = 0.0
+    lease_renew_s: float = 30.0
+    metadata_key: str = "tokenbudget"
+    unlisted: Literal["reject", "pass"] = "reject"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HookSettings:
+        """Load the file named by ``TOKEN_BUDGET_LITELLM_CONFIG``. Raises ``SettingsError``."""
+        env = os.environ if environ is None else environ
+        path = env.get(CONFIG_ENV)
+        if not path:
+            raise SettingsError(f"{CONFIG_ENV} must name the hook's JSON configuration file")
+        try:
+            document = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"cannot read {path}: {exc}") from exc
+        return cls.from_document(document, env)
+
+    @classmethod
+    def from_document(cls, document: Any, environ: Mapping[str, str]) -> HookSettings:
+        """Build settings from the parsed JSON document. Raises ``SettingsError``."""
+        doc = _object(document, "the configuration")
+        token_env = _string(doc.get("tokenEnv", "TOKEN_BUDGET_TOKEN"), "tokenEnv")
+        token = environ.get(token_env)
+        if not token:
+            raise SettingsError(f"the API token must be in the environment variable {token_env}")
+        groups = _object(doc.get("modelGroups"), "modelGroups")
+        unlisted = doc.get("unlisted", "reject")
+        if unlisted not in ("reject", "pass"):
+            raise SettingsError("unlisted must be 'reject' or 'pass'")
+        teams = _object(doc.get("tenantByTeam", {}), "tenantByTeam")
+        return cls(
+            api_url=_string(doc.get("apiUrl"), "apiUrl"),
+            token=token,
+            model_groups={name: _model_group(value, name) for name, value in groups.items()},
+            tenant_by_team={team: _string(tenant, f"tenantByTeam.{team}") for team, tenant in teams.items()},
+            fail_open=_boolean(doc.get("failOpen", False), "failOpen"),
+            timeout_s=_seconds(doc.get("timeoutSeconds", 10.0), "timeoutSeconds"),
+            queue_wait_s=_seconds(doc.get("queueWaitSeconds", 0.0), "queueWaitSeconds"),
+            lease_renew_s=_seconds(doc.get("leaseRenewSeconds", 30.0), "leaseRenewSeconds"),
+            metadata_key=_string(doc.get("metadataKey", "tokenbudget"), "metadataKey"),
+            unlisted=unlisted,
+        )
+
+
+def _model_group(value: Any, name: str) -> ModelGroup:
+    where = f"modelGroups.{name}"
+    data = _object(value, where)
+    known = {
+        "modelPool", "modelRevision", "taskClass", "tenant", "maxOutput", "systemBucket", "outputSafety",
+        "authorizationScope", "essentialTools",
+    }  # fmt: skip
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SettingsError(f"{where}: unknown settings {unknown}")
+    bucket = data.get("systemBucket", "immutableRules")
+    if bucket not in _SYSTEM_BUCKETS:
+        raise SettingsError(f"{where}.systemBucket must be one of {_SYSTEM_BUCKETS}")
+    max_output = data.get("maxOutput", 1024)
+    if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 1:
+        raise SettingsError(f"{where}.maxOutput must be a positive integer")
+    return ModelGroup(
+        model_pool=_string(data.get("modelPool"), f"{where}.modelPool"),
+        model_revision=_string(data.get("modelRevision"), f"{where}.modelRevision"),
+        task_class=_optional_string(data.get("taskClass"), f"{where}.taskClass"),
+        tenant=_optional_string(data.get("tenant"), f"{where}.tenant"),
+        max_output=max_output,
+        system_bucket=bucket,
+        output_safety=tuple(_strings(data.get("outputSafety", []), f"{where}.outputSafety")),
+        authorization_scope=_object(
+            data.get("authorizationScope", {"permissions": []}), f"{where}.authorizationScope"
+        ),
+        essential_tools=frozenset(_strings(data.get("essentialTools", []), f"{where}.essentialTools")),
+    )
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SettingsError(f"{where} must be a JSON object")
+    return value
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise SettingsError(f"{where} must be a non-empty string")
+    return value
+
+
+def _optional_string(value: Any, where: str) -> str | None:
+    return None if value is None else _string(value, where)
+
+
+def _strings(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list):
+        raise SettingsError(f"{where} must be a list of strings")
+    return [_string(item, f"{where}[{index}]") for index, item in enumerate(value)]
+
+
+def _boolean(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SettingsError(f"{where} must be true or false")
+    return value
+
+
+def _seconds(value: Any, where: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+        raise SettingsError(f"{where} must be a non-negative number of seconds")
+    return float(value)

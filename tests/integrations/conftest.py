@@ -1,0 +1,174 @@
+"""Fixtures of the LiteLLM integration tests: a real LiteLLM proxy (module-scoped, it takes seconds to start)
+in front of the provider simulator, and our API served by gunicorn on pytest-django's test database (real
+commits), the demo configuration applied. The simulator and gunicorn are started anew for every test, on
+ports fixed for the module, because the proxy's configuration names them."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
+from simulation.completions import default_prompt_counter
+from simulation.provider import Simulator
+from tests.e2e_faults.harness import DEMO, PROVIDER_KEY, TOKEN, database_url_for_subprocesses
+from tests.integrations.litellm_proxy import ROOT, LiteLLMProxy, ensure_venv
+
+# The model groups the proxy serves, and how the hook maps each (tokenbudget_litellm.settings).
+MODEL_GROUPS = {
+    "contract-review": {
+        "modelPool": "eu-large",
+        "modelRevision": "model@2026-07-01",
+        "taskClass": "contract-review",
+        "tenant": "t-19",
+        "maxOutput": 200,
+        "outputSafety": ["No legal advice beyond the documents."],
+        "authorizationScope": {"permissions": ["contracts:read"]},
+    },
+    "support": {
+        "modelPool": "eu-large",
+        "modelRevision": "model@2026-07-01",
+        "taskClass": "support-chat",
+        "tenant": "t-19",
+        "maxOutput": 100,
+    },
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RecordingCounter:
+    """The simulator's prompt counter, keeping every ``messages`` list it counted: what the provider got."""
+
+    seen: list[list[dict[str, Any]]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        with self.lock:
+            self.seen.append(copy.deepcopy([dict(message) for message in messages]))
+        return default_prompt_counter(messages)
+
+
+@dataclass
+class Ports:
+    api: int
+    sim: int
+
+
+@pytest.fixture(scope="session")
+def litellm_venv() -> Path:
+    venv, seconds = ensure_venv()
+    if seconds is not None:
+        print(f"\nLiteLLM venv built in {seconds:.0f} s at {venv}")
+    return venv
+
+
+@pytest.fixture(scope="module")
+def ports() -> Ports:
+    return Ports(api=free_port(), sim=free_port())
+
+
+@pytest.fixture(scope="module")
+def proxy(
+    litellm_venv: Path, ports: Ports, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiteLLMProxy]:
+    proxy = LiteLLMProxy(litellm_venv, tmp_path_factory.mktemp("litellm"), free_port())
+    backend = {
+        "model": "openai/model@2026-07-01",
+        "api_base": f"http://127.0.0.1:{ports.sim}/v1",
+        "api_key": PROVIDER_KEY,
+    }
+    config = {
+        "model_list": [{"model_name": name, "litellm_params": backend} for name in MODEL_GROUPS],
+        "litellm_settings": {"callbacks": "tokenbudget_litellm.hook.proxy_handler_instance"},
+    }
+    hook_settings = {
+        "apiUrl": f"http://127.0.0.1:{ports.api}",
+        "timeoutSeconds": 10,
+        "modelGroups": MODEL_GROUPS,
+    }
+    started = time.monotonic()
+    try:
+        proxy.start(config, hook_settings, TOKEN)
+        print(f"\nLiteLLM proxy ready in {time.monotonic() - started:.1f} s")
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture
+def sim(ports: Ports) -> Iterator[tuple[Simulator, RecordingCounter]]:
+    counter = RecordingCounter()
+    simulator = Simulator(seed=5, max_words_per_chunk=3, prompt_counter=counter)
+    simulator.start(port=ports.sim)
+    yield simulator, counter
+    simulator.stop()
+
+
+@dataclass
+class Gunicorn:
+    """Our API, served by gunicorn on the test database."""
+
+    port: int
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "DATABASE_URL": database_url_for_subprocesses(), "DB_CONN_MAX_AGE": "0"}
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--bind",
+                 f"127.0.0.1:{self.port}", "--workers", "2", "--log-level", "warning"],
+                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        # Generous: on a busy machine gunicorn takes a while to import the app.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/", timeout=2):
+                    return
+            except OSError:  # refused, reset or not answering yet (URLError is one)
+                time.sleep(0.2)
+        raise AssertionError(
+            f"gunicorn did not answer on {self.port}:\n{self.log.read_text(errors='replace')}"
+        )
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+
+
+@pytest.fixture
+def api(transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path) -> Iterator[Gunicorn]:
+    """The demo configuration applied, committed, and served by gunicorn."""
+    apply_config(load_file(DEMO))
+    server = Gunicorn(ports.api, tmp_path / "gunicorn.log")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

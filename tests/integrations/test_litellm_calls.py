@@ -1,0 +1,243 @@
+"""The protocol calls the LiteLLM hook makes, against a scripted stand-in of our API, and what a failed
+provider call may claim in ``requestSent`` (no LiteLLM, no database)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from tokenbudget_gateway.errors import ApiError, ApiUnavailable
+from tokenbudget_gateway.transport import ApiClient, ApiResponse
+from tokenbudget_litellm.calls import Calls, Refusal, Ticket, failure_reason, request_sent_of
+from tokenbudget_litellm.mapping import AdmissionRequest
+
+GRANT: dict[str, Any] = {
+    "reservationId": "0b6c5a2e-0000-4000-8000-000000000001",
+    "mode": "ENFORCE",
+    "rung": "DEDUP_EVIDENCE",
+    "payload": {"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]},
+    "admittedDigest": "sha256:" + "a" * 64,
+    "tokens": {"input": 12, "maxOutput": 40},
+    "lease": {"fence": 3, "expiresAt": "2026-11-30T12:00:00+00:00"},
+}
+REQUEST = AdmissionRequest(body={"requestId": "r-1"}, idempotency_key="r-1")
+TICKET = Ticket(
+    reservation_id="res-1",
+    fence=3,
+    admitted_digest="sha256:" + "a" * 64,
+    provider_request_id="tbr-res-1",
+    max_output=40,
+    rung="FULL",
+)
+
+
+@dataclass
+class Sent:
+    method: str
+    path: str
+    body: Any
+    headers: Mapping[str, str] | None
+
+
+class ScriptedApi(ApiClient):
+    """Answers each call with the next scripted answer (an ``ApiResponse`` or an error to raise)."""
+
+    def __init__(self, *answers: ApiResponse | Exception) -> None:
+        super().__init__("http://127.0.0.1:1", "token")
+        self.answers = list(answers)
+        self.sent: list[Sent] = []
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> ApiResponse:
+        self.sent.append(Sent(method, path, body, headers))
+        answer = self.answers.pop(0) if self.answers else ApiResponse(200, {}, {})
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_a_grant_becomes_a_ticket_with_the_payload() -> None:
+    api = ScriptedApi(ApiResponse(201, {}, GRANT))
+
+    admitted = Calls(api).admit(REQUEST)
+
+    assert admitted.ticket == Ticket(
+        reservation_id=GRANT["reservationId"],
+        fence=3,
+        admitted_digest=GRANT["admittedDigest"],
+        provider_request_id=f"tbr-{GRANT['reservationId']}",
+        max_output=40,
+        rung="DEDUP_EVIDENCE",
+    )
+    assert admitted.payload == GRANT["payload"]
+    assert api.sent[0].headers == {"Idempotency-Key": "r-1"}
+    assert Ticket.from_metadata(admitted.ticket.to_metadata()) == admitted.ticket
+
+
+def test_a_shadow_answer_admits_nothing() -> None:
+    admitted = Calls(ScriptedApi(ApiResponse(200, {}, {"mode": "SHADOW", "payload": {}}))).admit(REQUEST)
+
+    assert (admitted.ticket, admitted.shadow) == (None, True)
+
+
+@pytest.mark.parametrize(("status", "expected"), [(429, 429), (422, 422), (404, 404), (503, 503), (500, 503)])
+def test_a_rejection_is_a_refusal_with_our_status_problem_and_retry_after(status: int, expected: int) -> None:
+    problem = {"status": status, "code": "QUOTA_EXCEEDED", "detail": "no output tokens left"}
+    api = ScriptedApi(ApiError(status, problem, "/api/v1/admissions", "7"))
+
+    with pytest.raises(Refusal) as refused:
+        Calls(api).admit(REQUEST)
+
+    assert (refused.value.status, refused.value.code, refused.value.retry_after) == (
+        expected,
+        "QUOTA_EXCEEDED",
+        "7",
+    )
+
+
+def test_an_unreachable_api_is_not_a_refusal() -> None:
+    with pytest.raises(ApiUnavailable):
+        Calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "refused"))).admit(REQUEST)
+
+
+def test_a_queued_admission_is_asked_again_with_the_same_key_until_admitted() -> None:
+    queued = ApiResponse(202, {"retry-after": "2"}, {"reservationId": "q-1", "state": "PROPOSED"})
+    api = ScriptedApi(queued, queued, ApiResponse(200, {"idempotent-replayed": "true"}, GRANT))
+    clock = Clock()
+
+    admitted = Calls(api, queue_wait_s=10, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST)
+
+    assert admitted.ticket is not None
+    assert clock.slept == [2.0, 2.0]
+    assert [sent.headers for sent in api.sent] == [{"Idempotency-Key": "r-1"}] * 3
+
+
+def test_a_queued_admission_that_does_not_clear_in_time_is_cancelled_and_refused_429() -> None:
+    queued = ApiResponse(202, {"retry-after": "2"}, {"reservationId": "q-1", "state": "PROPOSED"})
+    reservation = ApiResponse(200, {}, {"lease": {"fence": 1}})
+    api = ScriptedApi(queued, queued, reservation, ApiResponse(200, {}, {}))
+    clock = Clock()
+
+    with pytest.raises(Refusal) as refused:
+        Calls(api, queue_wait_s=1, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST)
+
+    assert (refused.value.status, refused.value.code, refused.value.retry_after) == (429, "QUEUED", "2")
+    assert [(sent.method, sent.path, sent.body) for sent in api.sent[2:]] == [
+        ("GET", "/api/v1/reservations/q-1", None),
+        ("POST", "/api/v1/reservations/q-1/cancel", {"fence": 1}),
+    ]
+
+
+def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -> None:
+    api = ScriptedApi()
+    calls = Calls(api)
+
+    calls.dispatch(TICKET)
+    calls.complete(TICKET, input_tokens=12, output_tokens=30, provider_id="tbr-res-1")
+    calls.fail(TICKET, request_sent="unknown", reason="Timeout", output_seen=4)
+    calls.cancel(TICKET, output_seen=2)
+
+    assert [(sent.path.rsplit("/", 1)[-1], sent.body) for sent in api.sent] == [
+        (
+            "dispatch",
+            {"fence": 3, "providerRequestId": "tbr-res-1", "admittedDigest": TICKET.admitted_digest},
+        ),
+        (
+            "usage",
+            {"fence": 3, "usageEventId": "tbr-res-1:1", "inputTokens": 12, "outputTokens": 30, "final": True},
+        ),
+        (
+            "fail",
+            {
+                "fence": 3,
+                "reason": "Timeout",
+                "requestSent": "unknown",
+                "usage": {"usageEventId": "tbr-res-1:1", "outputTokens": 4},
+            },
+        ),
+        ("usage", {"fence": 3, "usageEventId": "tbr-res-1:1", "outputTokens": 2, "final": False}),
+        ("cancel", {"fence": 3}),
+    ]
+
+
+def test_a_provider_id_our_api_cannot_take_is_not_used_in_event_ids() -> None:
+    api = ScriptedApi()
+
+    Calls(api).complete(TICKET, input_tokens=1, output_tokens=1, provider_id="bad id with spaces")
+
+    assert api.sent[0].body["usageEventId"] == "tbr-res-1:1"
+
+
+# -- requestSent -------------------------------------------------------------------------------------------
+
+
+class Response:
+    def __init__(self, status_code: int) -> None:
+        self.status_code = status_code
+
+
+class HTTPStatusError(Exception):
+    """Named as httpx's: an HTTP answer was received."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.response = Response(status)
+
+
+class APIConnectionError(Exception):
+    pass
+
+
+class LiteLLMError(Exception):
+    """Like LiteLLM's exceptions: a status code (500 even for a connection error) and a made-up response."""
+
+    status_code = 500
+    response = Response(500)
+
+
+def wrapped(cause: BaseException) -> LiteLLMError:
+    try:
+        raise LiteLLMError("wrapped") from cause
+    except LiteLLMError as error:
+        return error
+
+
+@pytest.mark.parametrize(
+    ("error", "chunks", "expected"),
+    [
+        (wrapped(HTTPStatusError(429)), 0, False),
+        (wrapped(HTTPStatusError(400)), 0, False),
+        (wrapped(HTTPStatusError(500)), 0, True),
+        (wrapped(HTTPStatusError(409)), 0, True),
+        (wrapped(APIConnectionError("reset")), 0, "unknown"),
+        (wrapped(TimeoutError("read timed out")), 0, "unknown"),
+        (wrapped(ConnectionRefusedError("refused")), 0, False),
+        (LiteLLMError("no cause"), 0, "unknown"),
+        (wrapped(APIConnectionError("reset")), 3, True),
+    ],
+    ids=["429", "400", "500", "409", "reset", "timeout", "refused", "litellm-only", "mid-stream"],
+)
+def test_request_sent_is_false_only_with_proof(error: BaseException, chunks: int, expected: object) -> None:
+    assert request_sent_of(error, chunks) == expected
+
+
+def test_the_failure_reason_names_the_providers_status() -> None:
+    assert failure_reason(wrapped(HTTPStatusError(429))) == "provider_http_429: LiteLLMError"
+    assert failure_reason(wrapped(APIConnectionError("reset"))) == "LiteLLMError: wrapped"

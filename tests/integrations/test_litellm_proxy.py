@@ -1,0 +1,226 @@
+"""The LiteLLM hook end to end: the official ``openai`` SDK calls a real LiteLLM proxy that loads our hook and
+routes to the provider simulator; our API runs under gunicorn on the test database.
+
+What each test proves is in its name; every one ends with the audit clean (balances equal their entries, no
+open reservation, what we settled is what the simulator billed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+
+from budgeting.catalog.changes import SYSTEM as SYSTEM_ACTOR
+from ledger.models import CapacityAccount, Reservation, Scope
+from ledger.models import State as ReservationState
+from ledger.services.limits import set_account_limits
+from simulation.provider import Simulator
+from tests.e2e_faults.harness import assert_clean, wait_for
+from tests.integrations.conftest import Gunicorn, RecordingCounter
+from tests.integrations.litellm_proxy import LiteLLMProxy
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+CLAUSE = "Clause 7: either party may terminate the agreement with 30 days written notice."
+RULES = "You review contracts. Cite the evidence ids you use."
+
+
+def evidence(item_id: str, text: str = CLAUSE, *, minimum: bool = True) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "sourceId": f"doc-{item_id}",
+        "text": text,
+        "score": 0.9,
+        "permissions": ["contracts:read"],
+        "minimumRetention": minimum,
+    }
+
+
+def client(proxy: LiteLLMProxy) -> OpenAI:
+    return OpenAI(base_url=f"{proxy.url}/v1", api_key=proxy.master_key, max_retries=0, timeout=60)
+
+
+def ask(
+    proxy: LiteLLMProxy, *, stream: bool, items: list[dict[str, Any]], **kwargs: Any
+) -> tuple[str, dict[str, int]]:
+    """One chat completion through the proxy; returns the completion id and the usage the client saw."""
+    request: dict[str, Any] = {
+        "model": "contract-review",
+        "messages": [
+            {"role": "system", "content": RULES},
+            {"role": "user", "content": "Can either party terminate early?"},
+        ],
+        "max_tokens": 40,
+        "extra_body": {"metadata": {"tokenbudget": {"evidence": items}}},
+        **kwargs,
+    }
+    sdk = client(proxy)
+    if not stream:
+        answer = sdk.chat.completions.create(**request)
+        assert answer.usage is not None
+        return answer.id, {"prompt": answer.usage.prompt_tokens, "completion": answer.usage.completion_tokens}
+    completion_id, usage = "", {}
+    for chunk in sdk.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+        completion_id = chunk.id
+        if chunk.usage is not None:
+            usage = {"prompt": chunk.usage.prompt_tokens, "completion": chunk.usage.completion_tokens}
+    return completion_id, usage
+
+
+def admitted_messages(row: Reservation) -> list[dict[str, Any]]:
+    """The messages of the payload our API admitted (its first answer, kept on the reservation)."""
+    assert isinstance(row.response_body, dict)
+    messages = row.response_body["payload"]["messages"]
+    assert isinstance(messages, list)
+    return messages
+
+
+def admitted_tokens(row: Reservation) -> int:
+    assert isinstance(row.response_body, dict)
+    return int(row.response_body["tokens"]["input"])
+
+
+def settled(reservation_id: str) -> Reservation:
+    """The reservation once a terminal hook has run (the success hook runs after the answer was sent)."""
+    wait_for(
+        lambda: (
+            Reservation.objects.get(pk=reservation_id).state
+            in (ReservationState.SETTLED, ReservationState.PARTIALLY_SETTLED)
+        ),
+        timeout=20,
+        what=f"reservation {reservation_id} to settle",
+    )
+    return Reservation.objects.get(pk=reservation_id)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_call_through_the_proxy_is_admitted_sent_as_admitted_and_settled_at_the_billed_usage(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter], stream: bool
+) -> None:
+    simulator, counter = sim
+    started = time.monotonic()
+
+    completion_id, usage = ask(proxy, stream=stream, items=[evidence("e1")])
+
+    reservation_id = completion_id.removeprefix("tbr-")
+    row = settled(reservation_id)
+    billed = simulator.entry(completion_id)
+    assert billed is not None
+    assert (row.state, row.outcome, row.rung) == (ReservationState.SETTLED, "COMPLETED", "FULL")
+    assert row.provider_request_id == completion_id
+    assert (row.input_consumed, row.captured + row.overrun) == (
+        billed.prompt_tokens,
+        billed.completion_tokens,
+    )
+    assert usage == {"prompt": billed.prompt_tokens, "completion": billed.completion_tokens}
+    admitted = admitted_messages(row)
+    assert counter.seen == [admitted]
+    assert any("No legal advice" in part["text"] for message in admitted for part in message["content"])
+    assert_clean(simulator)
+    admitted_input = admitted_tokens(row)
+    report = (
+        f"[litellm {'stream' if stream else 'plain'}] openai SDK chat.completions.create("
+        f"model='contract-review', stream={stream}) -> id {completion_id}; reservation {reservation_id} "
+        f"{row.state}/{row.outcome} at {row.rung}; admitted input {admitted_input}, output reserved "
+        f"{row.output_reserved}; settled input {row.input_consumed}, output captured {row.captured}, "
+        f"released "
+        f"{row.released}; simulator billed {billed.prompt_tokens}+{billed.completion_tokens}; "
+        f"{time.monotonic() - started:.2f} s"
+    )
+    print(f"\n{report}")
+
+
+def test_a_degraded_request_reaches_the_provider_as_the_admitted_payload(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, counter = sim
+    long_clause = " ".join(
+        f"Section {n}: the supplier shall deliver the goods within {n} days." for n in range(900)
+    )
+    items = [
+        evidence("e1"),
+        evidence("big-a", long_clause, minimum=False),
+        evidence("big-b", long_clause, minimum=False),
+    ]
+
+    completion_id, _ = ask(proxy, stream=True, items=items)
+
+    row = settled(completion_id.removeprefix("tbr-"))
+    assert row.rung == "DEDUP_EVIDENCE"
+    admitted = admitted_messages(row)
+    assert counter.seen == [admitted]
+    texts = " ".join(part["text"] for message in admitted for part in message["content"])
+    assert "[evidence id=big-a" in texts and "[evidence id=big-b" not in texts
+    assert_clean(simulator)
+
+
+def test_an_over_quota_request_is_refused_429_at_the_client(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, counter = sim
+    account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant__slug="t-19")
+    set_account_limits(
+        account_id=account.pk,
+        input_limit=account.input_limit,
+        output_limit=10,
+        concurrency_limit=account.concurrency_limit,
+        expected=(account.input_limit, account.output_limit, account.concurrency_limit),
+        reason="the tenant's output quota is nearly spent",
+        actor=SYSTEM_ACTOR,
+    )
+
+    with pytest.raises(openai.RateLimitError) as refused:
+        client(proxy).chat.completions.create(
+            model="support", messages=[{"role": "user", "content": "Where is my order?"}], max_tokens=50
+        )
+
+    assert refused.value.status_code == 429
+    assert int(refused.value.response.headers["retry-after"]) >= 1
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert error["provider_specific_fields"]["code"] == "QUOTA_EXCEEDED"
+    assert error["provider_specific_fields"]["problem"]["status"] == 429
+    assert counter.seen == [] and simulator.entries() == []
+    assert not Reservation.objects.filter(state=ReservationState.RESERVED).exists()
+    assert_clean(simulator)
+
+
+def test_a_provider_that_refuses_the_call_releases_the_reservation_in_full(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, _ = sim
+    simulator.script("rate_limited")
+
+    with pytest.raises(openai.RateLimitError):
+        ask(proxy, stream=False, items=[evidence("e1")])
+
+    wait_for(
+        lambda: Reservation.objects.filter(state=ReservationState.SETTLED).exists(),
+        timeout=20,
+        what="settlement",
+    )
+    row = Reservation.objects.get()
+    assert (row.outcome, row.input_consumed, row.captured) == ("RELEASED", 0, 0)
+    assert row.failure_reason.startswith("never processed: provider_http_429")
+    assert_clean(simulator)
+
+
+def test_with_our_api_down_the_call_is_refused_503_and_never_sent(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, counter = sim
+    api.stop()
+
+    with pytest.raises(openai.InternalServerError) as refused:
+        ask(proxy, stream=False, items=[evidence("e1")])
+
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == "5"
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert error["provider_specific_fields"]["code"] == "ADMISSION_UNAVAILABLE"
+    assert counter.seen == [] and simulator.entries() == []
