@@ -2,6 +2,7 @@
 
 from budgeting.backoffice import (
     account_admin,
+    alert_admin,
     billing_admin,
     catalog_admin,
     changelog_admin,
@@ -12,6 +13,7 @@ from budgeting.backoffice import (
 
 __all__ = [
     "account_admin",
+    "alert_admin",
     "billing_admin",
     "catalog_admin",
     "changelog_admin",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging.config
 import os
 
 from celery import Celery
+from celery.signals import setup_logging
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
 
@@ -20,4 +22,15 @@ app.conf.beat_schedule = {
     "import-provider-billing": {"task": "reconciliation.import_provider_billing", "schedule": 300.0},
     "expire-temporary-increases": {"task": "reconciliation.expire_temporary_increases", "schedule": 60.0},
     "roll-periods": {"task": "reconciliation.roll_periods", "schedule": 600.0},
+    "check-alert-thresholds": {"task": "budgeting.check_alert_thresholds", "schedule": 60.0},
+    "copy-token-last-used": {"task": "budgeting.copy_token_last_used", "schedule": 60.0},
 }
+
+
+@setup_logging.connect
+def use_django_logging(**kwargs: object) -> None:
+    """Workers and beat log like the web processes (settings.LOGGING, structured) instead of Celery's own
+    format."""
+    from django.conf import settings
+
+    logging.config.dictConfig(settings.LOGGING)

@@ -17,9 +17,11 @@ from budgeting.catalog.models import (
     Tenant,
     Tokenizer,
 )
+from budgeting.observability.alerts.models import AlertThresholds, ThresholdCrossing
 from budgeting.provisioning.models import ProvisionedValue
 
 __all__ = [
+    "AlertThresholds",
     "ApiToken",
     "CatalogVersion",
     "ChangeRecord",
@@ -34,6 +36,7 @@ __all__ = [
     "TaskClass",
     "TemporaryIncrease",
     "Tenant",
+    "ThresholdCrossing",
     "Tokenizer",
     "UsageReport",
 ]

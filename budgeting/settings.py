@@ -10,11 +10,14 @@ from __future__ import annotations
 import ipaddress
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 import django_stubs_ext
 from django.core.exceptions import ImproperlyConfigured
+
+from budgeting.observability.logging import settings_logging
 
 # Lets typed code subscript Django's generic classes at run time (ModelAdmin[Model], QuerySet[Model]).
 django_stubs_ext.monkeypatch()
@@ -165,6 +168,7 @@ try:
     ]
 except ValueError as error:
     raise ImproperlyConfigured(f"METRICS_ALLOWED_NETWORKS: {error}") from None
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
@@ -178,10 +182,12 @@ INSTALLED_APPS = [
     "ledger",
     "reconciliation",
     "simulation",
+    "axes",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "budgeting.observability.logging.RequestLogMiddleware",
     "budgeting.api.middleware.ApiProblemMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -190,7 +196,20 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",
 ]
+
+# Admin sign-in: after AXES_FAILURE_LIMIT failed attempts a username, and separately an address, is locked
+# out for AXES_COOLOFF_MINUTES (budgeting.backoffice.lockouts; platform admins see and lift lockouts).
+AUTHENTICATION_BACKENDS = [
+    "budgeting.backoffice.lockouts.LockoutBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("AXES_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "admin/lockout.html"
 
 ROOT_URLCONF = "budgeting.urls"
 WSGI_APPLICATION = "budgeting.wsgi.application"
@@ -268,9 +287,11 @@ ACCOUNT_CACHE_SECONDS = env_int("ACCOUNT_CACHE_SECONDS", 5, minimum=0)
 # Segment counts kept in each process in front of Redis (an entry is a key of ~100 bytes and an int).
 COUNT_CACHE_LOCAL_ENTRIES = env_int("COUNT_CACHE_LOCAL_ENTRIES", 200_000, minimum=0)
 
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
-    "root": {"handlers": ["console"], "level": env("LOG_LEVEL", "INFO")},
-}
+# Structured logs: JSON lines in production, key=value lines for a person reading a terminal.
+LOG_FORMAT = env("LOG_FORMAT", "json" if PRODUCTION else "console")
+if LOG_FORMAT not in {"json", "console"}:
+    raise ImproperlyConfigured(f"LOG_FORMAT={LOG_FORMAT!r} must be 'json' or 'console'")
+LOGGING = settings_logging(json_lines=LOG_FORMAT == "json", level=env("LOG_LEVEL", "INFO") or "INFO")
+
+# Capacity alerts (budgeting.observability.alerts): a Slack-compatible webhook for threshold crossings.
+ALERT_WEBHOOK_URL = env("ALERT_WEBHOOK_URL") or None

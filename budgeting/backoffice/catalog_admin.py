@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from django import forms
 from django.conf import settings
@@ -180,21 +182,52 @@ class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
 class ApiTokenInline(ReadOnly, admin.TabularInline[ApiToken, ServiceClient]):
     model = ApiToken
     extra = 0
-    fields = ("prefix", "created_at", "revoked_at", "revoke")
-    readonly_fields = ("prefix", "created_at", "revoked_at", "revoke")
+    fields = ("name", "prefix", "created_at", "last_used_at", "expires_at", "revoked_at", "revoke")
+    readonly_fields = fields
 
     @admin.display(description="")
     def revoke(self, token: ApiToken) -> str:
         if token.revoked_at is not None:
             return "revoked"
         url = reverse("admin:budgeting_serviceclient_revoke_token", args=[token.client_id, token.pk])
-        return format_html('<a class="button" href="{}">Revoke…</a>', url)
+        expired = token.expires_at is not None and token.expires_at <= timezone.now()
+        return format_html('{}<a class="button" href="{}">Revoke…</a>', "expired · " if expired else "", url)
+
+
+def _when(label: str, help_text: str) -> forms.DateTimeField:
+    return forms.DateTimeField(
+        required=False,
+        label=label,
+        help_text=help_text,
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M"),
+    )
 
 
 class RotateForm(ReasonForm):
+    name = forms.CharField(
+        required=False, max_length=100, help_text="What the new token is for, e.g. 'gateway eu-1'."
+    )
+    expires_at = _when("New token expires at (UTC)", "Empty: the new token does not expire.")
     revoke_current = forms.BooleanField(
         required=False, initial=False, label="Revoke the client's current tokens now"
     )
+    retire_at = _when(
+        "Or retire the current tokens at (UTC)",
+        "They keep working until then, so gateways can switch over; empty: they stay until revoked.",
+    )
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        now = timezone.now()
+        if data.get("revoke_current") and data.get("retire_at"):
+            self.add_error("retire_at", "Revoke the current tokens now, or retire them later: not both.")
+        for field in ("expires_at", "retire_at"):
+            if data.get(field) and data[field] <= now:
+                self.add_error(field, "Choose a time in the future.")
+        return data
+
+    def retire_current_at(self, now: datetime) -> datetime | None:
+        return now if self.cleaned_data["revoke_current"] else self.cleaned_data["retire_at"]
 
 
 @admin.register(ServiceClient)
@@ -233,26 +266,34 @@ class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
         client = self.object_or_403(request, client_id)
         form = RotateForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
-            issued = tokens.rotate_token(
+            now = timezone.now()
+            issued = tokens.issue_token(
                 client_id=client.pk,
-                revoke_current=form.cleaned_data["revoke_current"],
+                name=form.cleaned_data["name"],
+                expires_at=form.cleaned_data["expires_at"],
+                retire_current_at=form.retire_current_at(now),
                 reason=form.cleaned_data["reason"],
                 actor=actor(request),
-                now=timezone.now(),
+                now=now,
             )
             return admin_page(
                 request,
                 self,
                 "admin/budgeting/serviceclient/token_issued.html",
-                {"original": client, "title": f"New token for {client}", "issued": issued},
+                {
+                    "original": client,
+                    "title": f"New token for {client}",
+                    "issued": issued,
+                    "form_retire_at": form.cleaned_data["retire_at"],
+                },
             )
         return confirm_page(
             request,
             self,
             obj=client,
             title=f"Rotate the token of {client}",
-            lead="A new token is issued and shown once. Revoke the current tokens now, or leave them active "
-            "until the gateways have switched and revoke them then.",
+            lead="A new token is issued and shown once. Revoke the current tokens now, retire them at a time "
+            "you choose (they keep working until then), or leave them active and revoke them later.",
             form=form,
             submit="Issue new token",
             cancel_url=change_url(client),

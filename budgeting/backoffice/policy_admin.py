@@ -9,13 +9,13 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
 from django.db import models
 from django.db.models import QuerySet
 from django.forms.fields import InvalidJSONInput
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
-from django.urls import reverse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.urls import URLPattern, path, reverse
 from django.utils import timezone
-from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from budgeting.backoffice.kit import (
@@ -36,16 +36,36 @@ from budgeting.backoffice.kit import (
 from budgeting.catalog import policies as policy_services
 from budgeting.catalog.errors import DomainError
 from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
+from budgeting.catalog.policy_schema import schema
 from budgeting.catalog.snapshot import ACTIVE_ALIAS
 
 
 class PrettyJSONField(forms.JSONField):
-    """A JSON field shown indented, so a policy document is edited as a readable structure."""
+    """A JSON field shown indented, so a policy document is edited as a readable structure; text that is not
+    JSON is refused with the line and column where parsing stopped."""
 
     def prepare_value(self, value: Any) -> Any:
         if isinstance(value, InvalidJSONInput):
             return value
         return json.dumps(value, indent=2, ensure_ascii=False, cls=self.encoder)
+
+    def to_python(self, value: Any) -> Any:
+        try:
+            return super().to_python(value)
+        except ValidationError:
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValidationError(
+                    f"Not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.", code="invalid"
+                ) from None
+            raise
+
+
+def editor_area(*, readonly: bool = False) -> forms.Textarea:
+    """The policy document's text area; ``policy/editor.js`` turns it into the schema-aware editor."""
+    attrs = {"rows": 30, "cols": 100, "class": "tb-code", "spellcheck": "false", "data-policy-editor": ""}
+    return forms.Textarea(attrs={**attrs, "readonly": ""} if readonly else attrs)
 
 
 class PolicyDraftForm(AuditedForm):
@@ -53,8 +73,10 @@ class PolicyDraftForm(AuditedForm):
     field at fault."""
 
     document = PrettyJSONField(
-        widget=forms.Textarea(attrs={"rows": 30, "cols": 100, "class": "tb-code", "spellcheck": "false"}),
-        help_text="The policy document (JSON). Its revision must equal the version's revision.",
+        widget=editor_area(),
+        help_text="The policy document (JSON). Its revision must equal the version's revision. The editor "
+        "completes field names and values from the policy's JSON Schema (Ctrl-Space) and explains a field on "
+        "hover; saving reports every error at once.",
     )
 
     class Meta:
@@ -73,13 +95,17 @@ class AliasMoveForm(ReasonForm):
     expected_version = forms.IntegerField(widget=forms.HiddenInput, required=False)
 
 
+def _tokens(value: int | None) -> str | None:
+    return None if value is None else f"{value:,} tokens"
+
+
 def _plan_rows(plan: policy_services.AliasPlan) -> list[Row]:
     return [
         ("version", f"r{plan.from_revision}" if plan.from_revision else "—", f"r{plan.to_revision}", False),
         (
             "global input cap per request",
-            plan.cap_before,
-            plan.cap_after,
+            _tokens(plan.cap_before),
+            _tokens(plan.cap_after),
             plan.cap_before is not None and plan.cap_after < plan.cap_before,
         ),
         ("cached token counts", "kept", "cleared" if plan.clears_caches else "kept", plan.clears_caches),
@@ -92,27 +118,38 @@ def alias_move_page(
     obj: models.Model,
     *,
     plan: Callable[[], policy_services.AliasPlan],
-    move: Callable[[policy_services.AliasPlan, dict[str, Any]], str],
+    move: Callable[[dict[str, Any]], str],
     done_url: str,
     page: Callable[[policy_services.AliasPlan], dict[str, Any]],
 ) -> HttpResponse:
     """Plan an alias move, show it (``page``: title, lead, submit, ...) and, once confirmed, ``move`` it with
     the form's data: its ``expected_version`` is the version seen on the page, the compare-and-swap's
-    expectation (``move`` answers the success message)."""
+    expectation (``move`` answers the success message).
+
+    A refused move (someone moved the alias first) is planned again from where the alias is now, so the page
+    shows the new situation — or, when the alias already points where this move would take it, says so
+    instead of offering a move to where it is.
+    """
+    form = AliasMoveForm(request.POST or None)
+    refused = False
+    if request.method == "POST" and form.is_valid():
+        try:
+            done = move(form.cleaned_data)
+        except DomainError as problem:
+            problem_message(request, problem)
+            refused = True
+        else:
+            messages.success(request, done)
+            return HttpResponseRedirect(done_url)
     try:
         planned = plan()
     except DomainError as problem:
         problem_message(request, problem)
         return HttpResponseRedirect(change_url(obj))
-    form = AliasMoveForm(request.POST or None, initial={"expected_version": planned.from_version_id})
-    if request.method == "POST" and form.is_valid():
-        try:
-            done = move(planned, form.cleaned_data)
-        except DomainError as problem:
-            problem_message(request, problem)
-        else:
-            messages.success(request, done)
-            return HttpResponseRedirect(done_url)
+    if refused or request.method != "POST":
+        # The compare-and-swap expects the version shown on this page, not the one the refused form saw.
+        reason = form.cleaned_data["reason"] if refused else ""
+        form = AliasMoveForm(initial={"expected_version": planned.from_version_id, "reason": reason})
     return confirm_page(
         request,
         model_admin,
@@ -123,6 +160,13 @@ def alias_move_page(
         diff=planned.diff,
         **page(planned),
     )
+
+
+def schema_view(request: HttpRequest) -> JsonResponse:
+    """``GET /admin/budgeting/policyversion/schema.json``: the policy document's JSON Schema, no sign-in."""
+    response = JsonResponse(schema(), content_type="application/schema+json", json_dumps_params={"indent": 2})
+    response["Cache-Control"] = "public, max-age=300"
+    return response
 
 
 @admin.register(PolicyVersion)
@@ -151,9 +195,25 @@ class PolicyVersionAdmin(AuditedAdmin[PolicyVersion]):
 
     @admin.display(description="document")
     def document_view(self, obj: PolicyVersion) -> SafeString:
-        return format_html(
-            '<pre class="tb-json">{}</pre>', json.dumps(obj.document, indent=2, ensure_ascii=False)
-        )
+        text = json.dumps(obj.document, indent=2, ensure_ascii=False)
+        return editor_area(readonly=True).render("document_view", text)
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        context = {**(extra_context or {}), "policy_schema": schema()}
+        return super().changeform_view(request, object_id, form_url, context)
+
+    def get_urls(self) -> list[URLPattern]:
+        # The schema is public, like any published format: editors and CI check files against it.
+        return [
+            path("schema.json", schema_view, name="budgeting_policyversion_schema"),
+            *super().get_urls(),
+        ]
 
     @admin.display(description="active as")
     def active_as(self, obj: PolicyVersion) -> str:
@@ -248,17 +308,17 @@ class PolicyVersionAdmin(AuditedAdmin[PolicyVersion]):
         require(request, "budgeting.change_policyalias")
         version = self.object_or_403(request, version_id)
 
-        def move(plan: policy_services.AliasPlan, data: dict[str, Any]) -> str:
-            policy_services.activate(
+        def move(data: dict[str, Any]) -> str:
+            plan = policy_services.activate(
                 alias_name=ACTIVE_ALIAS,
                 version_id=version.pk,
                 expected_version_id=data["expected_version"],
                 reason=data["reason"],
                 actor=actor(request),
-            )
+            ).plan
             return (
                 f"{ACTIVE_ALIAS} → r{plan.to_revision} (was r{plan.from_revision}); "
-                f"global cap {plan.cap_before} → {plan.cap_after}."
+                f"global cap {plan.cap_before:,} → {plan.cap_after:,} tokens."
             )
 
         return alias_move_page(
@@ -288,13 +348,14 @@ class PolicyAliasAdmin(ReadOnlyAdmin[PolicyAlias]):
         return super().get_queryset(request).select_related("version", "previous")
 
     @admin.display(description="global cap in force")
-    def effective_cap(self, obj: PolicyAlias) -> int:
-        return policy_services.effective_cap(obj)
+    def effective_cap(self, obj: PolicyAlias) -> str:
+        return f"{policy_services.effective_cap(obj):,} tokens"
 
     def page_context(self, request: HttpRequest, obj: PolicyAlias) -> dict[str, Any]:
         return {
             "can_roll_back": request.user.has_perm("budgeting.change_policyalias"),
             "changes": recent_changes(obj),
+            "cap": policy_services.cap_in_force(obj),
         }
 
     def page_urls(self) -> list[tuple[str, Callable[..., HttpResponse], str]]:
@@ -304,7 +365,7 @@ class PolicyAliasAdmin(ReadOnlyAdmin[PolicyAlias]):
         require(request, "budgeting.change_policyalias")
         alias = self.object_or_403(request, alias_id)
 
-        def move(plan: policy_services.AliasPlan, data: dict[str, Any]) -> str:
+        def move(data: dict[str, Any]) -> str:
             done = policy_services.rollback(
                 alias_name=alias.name,
                 expected_version_id=data["expected_version"],
@@ -312,14 +373,15 @@ class PolicyAliasAdmin(ReadOnlyAdmin[PolicyAlias]):
                 actor=actor(request),
             )
             cleared = (
-                f"{done.caches_cleared} cached token counts cleared"
+                f"{done.caches_cleared:,} cached token counts cleared"
                 if done.caches_cleared is not None
                 else "clearing the token-count cache FAILED (see the logs; counts under the old policy "
                 "are still correct, only slower to replace)"
             )
+            cap = policy_services.cap_in_force(PolicyAlias.objects.select_related("version").get(pk=alias.pk))
             return (
-                f"{alias.name} rolled back to r{plan.to_revision} (from r{plan.from_revision}); "
-                f"global cap kept at {plan.cap_floor_after}; {cleared}."
+                f"{alias.name} rolled back to r{done.plan.to_revision} (from r{done.plan.from_revision}); "
+                f"{cleared}. Global cap in force: {cap.explain()}"
             )
 
         return alias_move_page(
@@ -332,8 +394,8 @@ class PolicyAliasAdmin(ReadOnlyAdmin[PolicyAlias]):
             page=lambda plan: {
                 "title": f"Roll {alias.name} back to r{plan.to_revision}",
                 "lead": f"{alias.name} moves back from r{plan.from_revision} to r{plan.to_revision} by "
-                f"compare-and-swap. The lower of the two global caps ({plan.cap_floor_after}) is kept, and "
-                "every cached token count is cleared after the move.",
+                f"compare-and-swap. The lower of the two global caps ({plan.cap_floor_after:,} tokens) is "
+                "kept, and every cached token count is cleared after the move.",
                 "submit": f"Roll back to r{plan.to_revision}",
                 "danger": True,
             },

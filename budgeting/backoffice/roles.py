@@ -7,7 +7,12 @@ Permissions are Django's own model permissions, read with their admin meaning:
 - ``budgeting.change_policyalias`` activates and rolls back policy versions (alias compare-and-swap);
 - ``budgeting.add_apitoken`` rotates a service client's token;
 - ``budgeting.view_usagereport`` opens the reports page and the reports API;
-- ``reconciliation.add_billingimport`` uploads a provider's billing export.
+- ``reconciliation.add_billingimport`` uploads a provider's billing export;
+- ``budgeting.change_alertthresholds`` sets an account's alert thresholds;
+- ``axes.view_accessattempt`` shows admin login lockouts, ``axes.delete_accessattempt`` lifts one.
+
+Finance manages limits and money, platform the catalog, policies, tokens and lockouts, and the analyst reads:
+reports, and balances and limits without changing them. People get a role with ``manage.py grant_role``.
 
 ``sync_roles`` makes the groups hold exactly these permissions. It runs from a data migration and is safe to
 run again: migration 0004 re-runs it once the billing-import models exist, and a migration that adds models
@@ -19,6 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.apps import apps as global_apps
+from django.contrib.auth.models import Group, User
+from django.db import transaction
+
+from budgeting.catalog.changes import Actor, record_change
 
 FINANCE = "finance"
 PLATFORM = "platform"
@@ -36,6 +45,10 @@ ROLES: dict[str, tuple[str, ...]] = {
         "budgeting.view_temporaryincrease",
         "budgeting.add_temporaryincrease",
         "budgeting.change_temporaryincrease",
+        "budgeting.view_alertthresholds",
+        "budgeting.add_alertthresholds",
+        "budgeting.change_alertthresholds",
+        "budgeting.view_thresholdcrossing",
         "budgeting.view_price",
         "budgeting.add_price",
         "budgeting.change_price",
@@ -72,9 +85,19 @@ ROLES: dict[str, tuple[str, ...]] = {
         "reconciliation.view_billingfinding",
         "reconciliation.view_bucketdrift",
         "reconciliation.view_billedrequest",
+        "budgeting.view_alertthresholds",
+        "budgeting.view_thresholdcrossing",
+        "axes.view_accessattempt",
+        "axes.delete_accessattempt",
+        "axes.view_accesslog",
+        "axes.view_accessfailurelog",
     ),
     ANALYST: (
+        "ledger.view_capacityaccount",
         "ledger.view_reservation",
+        "budgeting.view_temporaryincrease",
+        "budgeting.view_alertthresholds",
+        "budgeting.view_thresholdcrossing",
         "budgeting.view_manifest",
         "budgeting.view_usagereport",
     ),
@@ -106,3 +129,65 @@ def sync_roles(apps: Any = global_apps) -> dict[str, list[str]]:
                 found.append(permission)
         group.permissions.set(found)
     return missing
+
+
+def sync_roles_in_migration(apps: Any) -> None:
+    """``sync_roles`` from a data migration: the permissions of models created earlier in the same migrate
+    run do not exist yet (Django makes them after the run), so they are made first."""
+    from django.contrib.auth.management import create_permissions
+
+    for app_config in apps.get_app_configs():
+        app_config.models_module = True
+        create_permissions(app_config, apps=apps, verbosity=0)
+        app_config.models_module = None
+    sync_roles(apps)
+
+
+def roles_of(user: User) -> list[str]:
+    return sorted(user.groups.filter(name__in=ROLES).values_list("name", flat=True))
+
+
+def grant_role(user: User, role: str, *, actor: Actor, reason: str) -> bool:
+    """Make ``user`` staff and give it ``role``, recorded in the change log; returns False when it already
+    had the role (nothing changes). Raises ValueError for an unknown role."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    with transaction.atomic(durable=True):
+        sync_roles()
+        before = roles_of(user)
+        if role in before and user.is_staff:
+            return False
+        user.groups.add(Group.objects.get(name=role))
+        user.is_staff = True
+        user.save(update_fields=["is_staff"])
+        _record(user, "user.grant_role", before, actor, reason)
+    return True
+
+
+def revoke_role(user: User, role: str, *, actor: Actor, reason: str) -> bool:
+    """Take ``role`` from ``user``, recorded in the change log; returns False when it did not have it. A
+    user left with no role and no superuser status loses staff status too, so it cannot sign in to the
+    admin. Raises ValueError for an unknown role."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    with transaction.atomic(durable=True):
+        before = roles_of(user)
+        if role not in before:
+            return False
+        user.groups.remove(Group.objects.get(name=role))
+        if not roles_of(user) and not user.is_superuser:
+            user.is_staff = False
+            user.save(update_fields=["is_staff"])
+        _record(user, "user.revoke_role", before, actor, reason)
+    return True
+
+
+def _record(user: User, action: str, before: list[str], actor: Actor, reason: str) -> None:
+    record_change(
+        actor=actor,
+        action=action,
+        target=user,
+        before={"roles": before},
+        after={"roles": roles_of(user), "staff": user.is_staff},
+        reason=reason,
+    )

@@ -168,11 +168,20 @@ def new_token_value() -> str:
 
 class ApiToken(models.Model):
     client = models.ForeignKey(ServiceClient, on_delete=models.CASCADE, related_name="tokens")
+    name = models.CharField(max_length=100, blank=True, help_text="What the token is for: 'gateway eu-1'.")
     token_hash = models.CharField(max_length=64, unique=True)
     prefix = models.CharField(
         max_length=12, help_text="First characters, to recognise a token without storing it."
     )
     created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(
+        null=True, blank=True, help_text="The API refuses the token from this time on (empty: never)."
+    )
+    last_used_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When the API last accepted it, to the minute; copied from Redis by a beat task.",
+    )
     revoked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

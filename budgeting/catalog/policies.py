@@ -20,7 +20,8 @@ from django.db import transaction
 from budgeting.admission.count_cache import RedisCountCache
 from budgeting.catalog.changes import Actor, record_change, snapshot
 from budgeting.catalog.errors import Conflict, InvalidChange, InvalidInput, NotFound
-from budgeting.catalog.models import PolicyAlias, PolicyState, PolicyVersion
+from budgeting.catalog.models import ChangeRecord, PolicyAlias, PolicyState, PolicyVersion
+from budgeting.catalog.policy_schema import FieldError, schema_errors
 from ladder.policy import PolicyError, parse_policy
 
 logger = logging.getLogger(__name__)
@@ -52,23 +53,33 @@ class NothingToRollBack(Conflict):
     title = "The alias has no previous version to roll back to"
 
 
-@dataclass(frozen=True)
-class FieldError:
-    """A validation message and the document field it is about (``taskClasses.x.ladder[2]``)."""
-
-    path: str
-    message: str
+class AlreadyActive(Conflict):
+    code = "POLICY_ALREADY_ACTIVE"
+    title = "That version is already active"
 
 
 def document_errors(document: Any, *, revision: int) -> list[FieldError]:
-    """Validate a policy document for the version ``revision``; returns the errors (empty when valid)."""
+    """Validate a policy document for the version ``revision``; returns every error found (empty when valid).
+
+    The published schema reports all it finds at once, each with its path; ``parse_policy`` (the source of
+    truth) is asked too, and its error is added when no schema error already names that field.
+    """
+    errors = schema_errors(document)
     try:
-        policy = parse_policy(document)
+        parse_policy(document)
     except PolicyError as exc:
-        return [FieldError(exc.path or "(document)", exc.message)]
-    if policy.revision != revision:
-        return [FieldError("revision", f"must be {revision}, the revision of this policy version")]
-    return []
+        error = FieldError(exc.path or "(document)", exc.message)
+        if not any(_related(error.path, e.path) for e in errors):
+            errors.append(error)
+    stated = document.get("revision") if isinstance(document, dict) else None
+    if type(stated) is int and stated != revision:
+        errors.append(FieldError("revision", f"must be {revision}, the revision of this policy version"))
+    return errors
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether two field paths name the same field or one contains the other."""
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
 
 
 def global_cap(document: Any) -> int:
@@ -80,6 +91,60 @@ def effective_cap(alias: PolicyAlias) -> int:
     """The global per-request cap admission applies: the version's, lowered by a kept rollback floor."""
     cap = global_cap(alias.version.document)
     return cap if alias.global_cap_floor is None else min(cap, alias.global_cap_floor)
+
+
+@dataclass(frozen=True)
+class CapInForce:
+    """The global per-request cap an alias applies, and why: its version's own cap, or the lower cap a
+    rollback kept (SPEC §6) until the next activation."""
+
+    alias: str
+    revision: int
+    cap: int
+    version_cap: int
+    rolled_back_from: int | None
+    rolled_back_at: datetime | None
+
+    @property
+    def kept_by_rollback(self) -> bool:
+        return self.cap < self.version_cap
+
+    def explain(self) -> str:
+        if not self.kept_by_rollback:
+            return f"{self.cap:,} tokens: r{self.revision}'s own globalMaxInputTokens."
+        origin = f"r{self.rolled_back_from}" if self.rolled_back_from else "the version rolled back from"
+        when = f" on {self.rolled_back_at:%Y-%m-%d %H:%M} UTC" if self.rolled_back_at else ""
+        return (
+            f"{self.cap:,} tokens: the lower cap of {origin}, kept when {self.alias} was rolled back to "
+            f"r{self.revision}{when}. r{self.revision}'s own cap is {self.version_cap:,}; the lower one "
+            "stays in force until a version is activated."
+        )
+
+
+def cap_in_force(alias: PolicyAlias) -> CapInForce:
+    """The cap ``alias`` applies and where it comes from (the rollback that kept it, from the change log)."""
+    rollback = (
+        ChangeRecord.objects.filter(
+            action="policy.rollback", target_type=alias._meta.label_lower, target_id=str(alias.pk)
+        )
+        .order_by("-at", "-id")
+        .first()
+    )
+    from_revision = None
+    if rollback is not None and rollback.before:
+        from_revision = (
+            PolicyVersion.objects.filter(pk=rollback.before.get("version"))
+            .values_list("revision", flat=True)
+            .first()
+        )
+    return CapInForce(
+        alias=alias.name,
+        revision=alias.version.revision,
+        cap=effective_cap(alias),
+        version_cap=global_cap(alias.version.document),
+        rolled_back_from=from_revision,
+        rolled_back_at=rollback.at if rollback else None,
+    )
 
 
 def validate_version(*, version_id: int, reason: str, actor: Actor, now: datetime) -> PolicyVersion:
@@ -138,13 +203,15 @@ class AliasChange:
 
 
 def plan_activation(*, alias_name: str, version_id: int) -> AliasPlan:
-    """What activating ``version_id`` on the alias would do. Raises NotFound, NotValidated."""
+    """What activating ``version_id`` on the alias would do. Raises NotFound, NotValidated, AlreadyActive."""
     version = PolicyVersion.objects.filter(pk=version_id).first()
     if version is None:
         raise NotFound("no such policy version")
     if version.state != PolicyState.VALIDATED:
         raise NotValidated(f"r{version.revision} is a draft; validate it first")
     alias = PolicyAlias.objects.select_related("version").filter(name=alias_name).first()
+    if alias is not None and alias.version_id == version.pk:
+        raise AlreadyActive(f"r{version.revision} is already active as {alias_name}")
     return AliasPlan(
         alias=alias_name,
         from_version_id=alias.version_id if alias else None,
@@ -188,8 +255,8 @@ def activate(
     does not exist yet). The version it leaves becomes ``previous`` (the rollback target) and a cap floor kept
     by an earlier rollback is dropped: the new version's own cap applies.
 
-    Raises AliasMoved when the alias is not at ``expected_version_id`` any more, NotValidated, NotFound,
-    InvalidChange (no reason).
+    Raises AliasMoved when the alias is not at ``expected_version_id`` any more, AlreadyActive when it moved
+    to ``version_id`` itself, NotValidated, NotFound, InvalidChange (no reason).
     """
     if not reason.strip():
         raise InvalidChange("a reason is required to activate a policy version")

@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from budgeting.admission.models import Manifest
+from budgeting.observability.alerts.collector import AccountCollector
 from ledger.models import Reservation, State
 from ledger.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
 
@@ -271,6 +272,7 @@ def registry(now: datetime | None = None) -> CollectorRegistry:
     processes when PROMETHEUS_MULTIPROC_DIR is set."""
     scrape = CollectorRegistry(auto_describe=False)
     scrape.register(DatabaseCollector(now))
+    scrape.register(AccountCollector())
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         multiprocess.MultiProcessCollector(scrape)
     else:

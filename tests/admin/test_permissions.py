@@ -60,8 +60,8 @@ def page(name: str, allowed: set[str], url: Callable[[dict[str, Any]], str], dat
 
 GETS = [
     page("index", EVERY_ROLE, lambda w: admin("index")),
-    page("accounts", {F, P}, lambda w: admin("ledger_capacityaccount_changelist")),
-    page("account", {F, P}, lambda w: admin("ledger_capacityaccount_change", w["account"].pk)),
+    page("accounts", EVERY_ROLE, lambda w: admin("ledger_capacityaccount_changelist")),
+    page("account", EVERY_ROLE, lambda w: admin("ledger_capacityaccount_change", w["account"].pk)),
     page("account limits form", {F}, lambda w: admin("ledger_capacityaccount_limits", w["account"].pk)),
     page("account increase form", {F}, lambda w: admin("ledger_capacityaccount_increase", w["account"].pk)),
     page(
@@ -71,14 +71,21 @@ GETS = [
     page("reservations", EVERY_ROLE, lambda w: admin("ledger_reservation_changelist")),
     page("reservation", EVERY_ROLE, lambda w: admin("ledger_reservation_change", w["reservation"].pk)),
     page("reconciling backlog", EVERY_ROLE, lambda w: admin("ledger_reservation_backlog")),
+    page("resolve form", {F}, lambda w: admin("ledger_reservation_resolve", w["reservation"].pk)),
     page("manifests", EVERY_ROLE, lambda w: admin("budgeting_manifest_changelist")),
     page("manifest", EVERY_ROLE, lambda w: admin("budgeting_manifest_change", w["manifest"].pk)),
     page("manifest replay", EVERY_ROLE, lambda w: admin("budgeting_manifest_replay", w["manifest"].pk)),
     page("usage report", EVERY_ROLE, lambda w: admin("budgeting_usagereport_changelist")),
+    page("tenant spend", EVERY_ROLE, lambda w: admin("budgeting_usagereport_tenant", w["tenant"].slug)),
     page("reports API", EVERY_ROLE, lambda w: "/api/v1/reports?format=json"),
     page("reports API csv", EVERY_ROLE, lambda w: "/api/v1/reports?format=csv"),
     page("change log", {F, P}, lambda w: admin("budgeting_changerecord_changelist")),
-    page("temporary increases", {F}, lambda w: admin("budgeting_temporaryincrease_changelist")),
+    page("temporary increases", {F, A}, lambda w: admin("budgeting_temporaryincrease_changelist")),
+    page("alert thresholds", EVERY_ROLE, lambda w: admin("budgeting_alertthresholds_changelist")),
+    page("alert thresholds add form", {F}, lambda w: admin("budgeting_alertthresholds_add")),
+    page("threshold crossings", EVERY_ROLE, lambda w: admin("budgeting_thresholdcrossing_changelist")),
+    page("login lockouts", {P}, lambda w: admin("axes_accessattempt_changelist")),
+    page("login log", {P}, lambda w: admin("axes_accesslog_changelist")),
     page("prices", {F}, lambda w: admin("budgeting_price_changelist")),
     page("price add form", {F}, lambda w: admin("budgeting_price_add")),
     page("tenants", {F, P}, lambda w: admin("budgeting_tenant_changelist")),
@@ -302,6 +309,8 @@ def test_every_admin_page_and_action_is_in_the_matrix():
         "ledger_capacityaccount_increase",
         "ledger_capacityaccount_correction",
         "ledger_reservation_backlog",
+        "ledger_reservation_resolve",
+        "budgeting_usagereport_tenant",
         "budgeting_manifest_replay",
         "budgeting_serviceclient_rotate",
         "budgeting_serviceclient_revoke_token",
@@ -310,16 +319,19 @@ def test_every_admin_page_and_action_is_in_the_matrix():
         "budgeting_policyversion_activate",
         "budgeting_policyalias_rollback",
         "reconciliation_billingimport_upload",
+        "budgeting_policyversion_schema",  # public: the published policy JSON Schema
     }
     assert custom == covered
 
 
 INDEX_LINKS = {
-    "Capacity accounts": {F, P},
+    "Capacity accounts": EVERY_ROLE,
     "Tokenizers": {P},
     "Policy versions": {P},
     "Prices": {F},
-    "Temporary increases": {F},
+    "Temporary increases": {F, A},
+    "Alert thresholds": EVERY_ROLE,
+    "Access attempts": {P},
     "Usage report": EVERY_ROLE,
     "Reservations": EVERY_ROLE,
     "Billing imports": {F, P},
@@ -339,6 +351,7 @@ def test_the_home_page_lists_only_what_the_role_may_open(role, world):
     [
         (F, ["Edit limits", "Grant a temporary increase", "Post a correction"], []),
         (P, [], ["Edit limits", "Grant a temporary increase", "Post a correction"]),
+        (A, [], ["Edit limits", "Grant a temporary increase", "Post a correction"]),
     ],
 )
 def test_account_buttons_follow_the_role(role, visible, hidden, world):

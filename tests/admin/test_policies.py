@@ -4,8 +4,14 @@
 from __future__ import annotations
 
 import json
+from io import StringIO
+from pathlib import Path
 
 import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
@@ -15,6 +21,7 @@ from budgeting.catalog.changes import Actor
 from budgeting.catalog.errors import Conflict
 from budgeting.catalog.models import ChangeRecord, PolicyAlias, PolicyState, PolicyVersion
 from budgeting.catalog.policies import AliasMoved, NothingToRollBack, NotValidated
+from budgeting.catalog.policy_schema import schema
 from tests.admin.conftest import login, policy_document
 from tests.ledger.helpers import run_concurrently
 
@@ -24,6 +31,17 @@ BOB = Actor(user_id=None, username="bob")
 
 def alias() -> PolicyAlias:
     return PolicyAlias.objects.select_related("version", "previous").get(name="production")
+
+
+def activate_r19(policies: dict[str, PolicyVersion]) -> None:
+    """production moves from r18 to r19 (whose global cap is lower)."""
+    policy_services.activate(
+        alias_name="production",
+        version_id=policies["r19"].pk,
+        expected_version_id=policies["r18"].pk,
+        reason="r19",
+        actor=BOB,
+    )
 
 
 def add_draft(client, revision: int, document: object) -> str:
@@ -45,7 +63,10 @@ def test_a_draft_with_an_invalid_field_is_refused_naming_the_field(users, polici
     )
     wrong_revision = add_draft(platform, 21, policy_document(22))
     assert "revision: must be 21" in wrong_revision
-    assert "Enter a valid JSON" in add_draft(platform, 21, "{")
+    assert (
+        "Not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2"
+        in add_draft(platform, 21, "{")
+    )
     assert "(document): expected an object" in add_draft(platform, 21, "42")
     assert not PolicyVersion.objects.filter(revision=21).exists()
     assert add_draft(platform, 21, policy_document(21)) == ""
@@ -158,13 +179,7 @@ def test_two_admins_activating_at_once_cannot_both_win():
 
 
 def test_rollback_keeps_the_lower_cap_clears_the_count_cache_and_cannot_repeat(policies, redis_db):
-    policy_services.activate(
-        alias_name="production",
-        version_id=policies["r19"].pk,
-        expected_version_id=policies["r18"].pk,
-        reason="r19",
-        actor=BOB,
-    )
+    activate_r19(policies)
     redis_db.set("tc:sha256:abc:tpl:deadbeef", 12)
     redis_db.set("unrelated:key", 1)
     with pytest.raises(AliasMoved):
@@ -215,10 +230,110 @@ def test_activate_and_roll_back_through_confirmation_pages(users, policies, redi
     assert "policy.activate" in history and "policy.rollback" in history
 
 
-def test_a_stale_confirmation_page_changes_nothing(users, policies):
+def test_a_refused_activation_says_the_version_is_already_active(users, policies):
     platform = login("platform")
     url = reverse("admin:budgeting_policyversion_activate", args=[policies["r19"].pk])
     PolicyAlias.objects.filter(name="production").update(version=policies["r19"])
     response = platform.post(url, {"reason": "late", "expected_version": policies["r18"].pk}, follow=True)
-    assert "moved by someone else" in response.content.decode()
+    html = response.content.decode()
+    assert "r19 is already active as production" in html
+    assert "Activate r19" not in html and "from r19 to r19" not in html
+    assert response.redirect_chain[-1][0] == reverse(
+        "admin:budgeting_policyversion_change", args=[policies["r19"].pk]
+    )
     assert not ChangeRecord.objects.filter(action="policy.activate").exists()
+    # Opening the page of the active version's activation says the same, instead of offering r19 -> r19.
+    again = platform.get(url, follow=True).content.decode()
+    assert "r19 is already active as production" in again and "Activate r19" not in again
+
+
+def test_a_refused_activation_is_planned_again_from_where_the_alias_is_now(users, policies):
+    r21 = PolicyVersion.objects.create(revision=21, state=PolicyState.VALIDATED, document=policy_document(21))
+    platform = login("platform")
+    url = reverse("admin:budgeting_policyversion_activate", args=[policies["r19"].pk])
+    PolicyAlias.objects.filter(name="production").update(version=r21)
+    html = platform.post(url, {"reason": "late", "expected_version": policies["r18"].pk}).content.decode()
+    assert "moved by someone else" in html
+    assert "production moves from r21 to r19" in html
+    assert f'name="expected_version" value="{r21.pk}"' in html  # the CAS now expects what the page shows
+    assert platform.post(url, {"reason": "now", "expected_version": r21.pk}).status_code == 302
+    assert alias().version_id == policies["r19"].pk
+
+
+def test_every_error_of_a_draft_is_listed_with_its_path(users, policies):
+    doc = policy_document(21, ladder=["FULL", "TRUNCATE", "QUEUE_OR_REJECT"])
+    doc["globalMaxInputTokens"] = 0
+    doc["taskClasses"]["contract-review"]["rampPercent"] = 101
+    doc["taskClasses"]["contract-review"]["bogus"] = True
+    html = add_draft(login("platform"), 21, doc)
+    for line in (
+        "globalMaxInputTokens: must be between 1 and 100000000",
+        "taskClasses.contract-review.ladder[1]: &quot;TRUNCATE&quot; is not one of FULL",
+        "taskClasses.contract-review.rampPercent: must be between 0 and 100",
+        "taskClasses.contract-review.bogus: unknown field",
+    ):
+        assert line in html, line
+    assert not PolicyVersion.objects.filter(revision=21).exists()
+
+
+def test_invalid_json_is_reported_with_its_line_and_column(users, policies):
+    text = '{\n  "revision": 21,\n  "globalMaxInputTokens": ,\n}'
+    html = add_draft(login("platform"), 21, text)
+    assert "Not valid JSON: Expecting value at line 3, column 27." in html
+    assert "&quot;globalMaxInputTokens&quot;: ," in html  # the text is kept for correcting
+
+
+def test_the_editor_page_carries_the_schema_and_the_vendored_editor(users, policies):
+    html = login("platform").get(reverse("admin:budgeting_policyversion_add")).content.decode()
+    assert 'id="policy-schema"' in html and "data-policy-editor" in html
+    assert "/static/policy/editor.js" in html
+    assert reverse("admin:budgeting_policyversion_schema") in html
+    editor = Path(settings.BASE_DIR, "budgeting", "static", "policy", "editor.js")
+    assert editor.stat().st_size > 100_000 and "codemirror" in Path(editor.parent, "LICENSES.txt").read_text()
+    # A validated version is shown in the same editor, read-only.
+    shown = login("platform").get(reverse("admin:budgeting_policyversion_change", args=[policies["r18"].pk]))
+    assert "data-policy-editor" in shown.content.decode() and "readonly" in shown.content.decode()
+
+
+def test_the_schema_is_published_without_signing_in(db):
+    response = Client().get(reverse("admin:budgeting_policyversion_schema"))
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/schema+json"
+    assert response.json() == schema()
+
+
+def test_after_a_rollback_the_alias_page_says_which_cap_is_in_force_and_why(users, policies, redis_db):
+    activate_r19(policies)
+    platform = login("platform")
+    before = platform.get(reverse("admin:budgeting_policyalias_change", args=[alias().pk])).content.decode()
+    assert "50,000 tokens: r19&#x27;s own globalMaxInputTokens." in before
+    rollback_url = reverse("admin:budgeting_policyalias_rollback", args=[alias().pk])
+    done = platform.post(rollback_url, {"reason": "bad", "expected_version": policies["r19"].pk}, follow=True)
+    html = done.content.decode()
+    explanation = "50,000 tokens: the lower cap of r19, kept when production was rolled back to r18 on "
+    assert html.count(explanation) == 2  # the success message and the page itself
+    assert "r18&#x27;s own cap is 60,000; the lower one stays in force until a version is activated." in html
+    assert "global cap in force: 50,000 tokens: the lower cap of r19" in call_policy("list")
+
+
+def call_policy(*args: str) -> str:
+    out = StringIO()
+    call_command("policy", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_policy_check_lists_every_error_of_a_file(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(policy_document(7)))
+    assert "a valid policy document (r7)" in call_policy("check", str(good))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("revision: 7\nglobalMaxInputTokens: 0\ntaskClasses: {x: {inputCap: 1}}\n")
+    out = StringIO()
+    with pytest.raises(CommandError, match="error"):
+        call_command("policy", "check", str(bad), stdout=out)
+    assert "globalMaxInputTokens: must be between 1 and 100000000" in out.getvalue()
+    assert "taskClasses.x.ladder: required field is missing" in out.getvalue()
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"revision": 7,\n "x": [}')
+    with pytest.raises(CommandError, match="line 2, column"):
+        call_policy("check", str(broken))

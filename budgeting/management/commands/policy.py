@@ -1,13 +1,17 @@
+"""``manage.py policy``: list, check, validate, activate and roll back policy versions from a terminal."""
+
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import yaml
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from budgeting.catalog.errors import DomainError
 from budgeting.catalog import policies as policy_services
 from budgeting.catalog.changes import Actor
+from budgeting.catalog.errors import DomainError
 from budgeting.catalog.models import PolicyAlias, PolicyVersion
 from budgeting.catalog.snapshot import ACTIVE_ALIAS
 
@@ -20,7 +24,11 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True)
-        sub.add_parser("list", help="versions and where the alias points")
+        sub.add_parser("list", help="versions, where the alias points and the global cap in force")
+        check = sub.add_parser(
+            "check", help="check a policy document file (JSON or YAML) and list every error with its path"
+        )
+        check.add_argument("file", type=Path)
         validate = sub.add_parser("validate", help="freeze a draft as VALIDATED")
         validate.add_argument("revision", type=int)
         activate = sub.add_parser("activate", help="point the alias at a validated revision")
@@ -63,7 +71,25 @@ class Command(BaseCommand):
                 f"r{version.revision:<5} {version.state:<10} {version.note[:50]:<50} {' '.join(marks)}"
             )
         if alias:
-            self.stdout.write(f"global cap in force: {policy_services.effective_cap(alias)}")
+            self.stdout.write(f"global cap in force: {policy_services.cap_in_force(alias).explain()}")
+
+    def do_check(self, options: dict[str, Any]) -> None:
+        path: Path = options["file"]
+        try:
+            document = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise CommandError(f"cannot read {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise CommandError(f"{path} is not valid JSON or YAML{where}") from None
+        stated = document.get("revision") if isinstance(document, dict) else None
+        errors = policy_services.document_errors(document, revision=stated if type(stated) is int else 0)
+        for error in errors:
+            self.stdout.write(f"{error.path}: {error.message}")
+        if errors:
+            raise CommandError(f"{path}: {len(errors)} error(s)")
+        self.stdout.write(f"{path}: a valid policy document (r{stated})")
 
     def _version(self, revision: int) -> PolicyVersion:
         version = PolicyVersion.objects.filter(revision=revision).first()
