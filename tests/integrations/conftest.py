@@ -1,12 +1,15 @@
-"""Fixtures of the LiteLLM integration tests: a real LiteLLM proxy (module-scoped, it takes seconds to start)
-in front of the provider simulator, and our API served by gunicorn on pytest-django's test database (real
-commits), the demo configuration applied. The simulator and gunicorn are started anew for every test, on
-ports fixed for the module, because the proxy's configuration names them."""
+"""Fixtures of the LiteLLM integration tests: a real LiteLLM proxy in front of the provider simulator, and our
+API served by gunicorn on pytest-django's test database (real commits), the demo configuration applied.
+
+The proxy takes tens of seconds to start and lives for the module; the simulator and gunicorn are started anew
+for every test (the simulator's ledger is compared with that test's reservations, whose data is flushed after
+it), on ports fixed for the module because the proxy's configuration names them."""
 
 from __future__ import annotations
 
 import copy
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -133,10 +136,10 @@ class Gunicorn:
 
     def start(self) -> None:
         env = {**os.environ, "DATABASE_URL": database_url_for_subprocesses(), "DB_CONN_MAX_AGE": "0"}
-        with self.log.open("wb") as out:
+        with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--bind",
-                 f"127.0.0.1:{self.port}", "--workers", "2", "--log-level", "warning"],
+                 f"127.0.0.1:{self.port}", "--workers", "1", "--threads", "4", "--log-level", "warning"],
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
         # Generous: on a busy machine gunicorn takes a while to import the app.
@@ -154,7 +157,8 @@ class Gunicorn:
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.terminate()
+        # SIGQUIT: gunicorn's quick shutdown (SIGTERM waits for its workers' graceful timeout).
+        self.process.send_signal(signal.SIGQUIT)
         try:
             self.process.wait(15)
         except subprocess.TimeoutExpired:
@@ -164,7 +168,8 @@ class Gunicorn:
 
 @pytest.fixture
 def api(transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path) -> Iterator[Gunicorn]:
-    """The demo configuration applied, committed, and served by gunicorn."""
+    """The demo configuration applied, committed, and served by gunicorn (stopped before the test's data is
+    flushed, so no request of it can hold a lock the flush waits for)."""
     apply_config(load_file(DEMO))
     server = Gunicorn(ports.api, tmp_path / "gunicorn.log")
     try:

@@ -18,8 +18,10 @@ from budgeting.catalog.changes import SYSTEM as SYSTEM_ACTOR
 from ledger.models import CapacityAccount, Reservation, Scope
 from ledger.models import State as ReservationState
 from ledger.services.limits import set_account_limits
+from reconciliation import tasks
+from simulation.billing import BillingStatus
 from simulation.provider import Simulator
-from tests.e2e_faults.harness import assert_clean, wait_for
+from tests.e2e_faults.harness import assert_clean, expire, point_pools_at, wait_for
 from tests.integrations.conftest import Gunicorn, RecordingCounter
 from tests.integrations.litellm_proxy import LiteLLMProxy
 
@@ -206,6 +208,43 @@ def test_a_provider_that_refuses_the_call_releases_the_reservation_in_full(
     row = Reservation.objects.get()
     assert (row.outcome, row.input_consumed, row.captured) == ("RELEASED", 0, 0)
     assert row.failure_reason.startswith("never processed: provider_http_429")
+    assert_clean(simulator)
+
+
+def test_a_stream_the_client_abandons_is_cancelled_then_reconciled_from_the_provider(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, _ = sim
+    point_pools_at(simulator.base_url)
+    simulator.script(completion_tokens=40, chunk_delay_s=0.2)
+    stream = client(proxy).chat.completions.create(
+        model="contract-review",
+        messages=[{"role": "user", "content": "Summarise clause 7."}],
+        max_tokens=40,
+        stream=True,
+        extra_body={"metadata": {"tokenbudget": {"evidence": [evidence("e1")]}}},
+    )
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 2:
+            break
+    stream.close()
+
+    row = settled(chunk.id.removeprefix("tbr-"))
+    assert row.state == ReservationState.PARTIALLY_SETTLED
+    assert row.failure_reason.startswith("cancelled") and row.captured >= 2
+    wait_for(
+        lambda: (
+            (entry := simulator.entry(chunk.id)) is not None and entry.status is not BillingStatus.RUNNING
+        ),
+        timeout=30,
+        what="the provider to stop generating",
+    )
+    expire(str(row.pk))
+    assert tasks.reclaim_expired_leases()["settled"] == 1
+    row.refresh_from_db()
+    assert (row.state, row.outcome) == (ReservationState.SETTLED, "RECONCILED")
     assert_clean(simulator)
 
 
