@@ -1,0 +1,38 @@
+"""The LiteLLM integration needs no Django: all of ``tokenbudget_litellm`` but the hook imports with the
+standard library only, and what the hook misses there is LiteLLM (or the FastAPI it brings)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+GATEWAY = Path(__file__).resolve().parents[2] / "gateway"
+
+# -I -S: no PYTHONPATH, no current folder, no site-packages; only the standard library and the gateway folder.
+IMPORT = """
+import importlib, sys
+sys.path.insert(0, {gateway!r})
+for name in ("tokenbudget_litellm", "tokenbudget_litellm.settings", "tokenbudget_litellm.mapping",
+             "tokenbudget_litellm.calls"):
+    importlib.import_module(name)
+try:
+    import tokenbudget_litellm.hook
+except ModuleNotFoundError as missing:
+    print(missing.name)
+"""
+
+
+def test_only_the_hook_needs_more_than_the_standard_library() -> None:
+    result = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", IMPORT.format(gateway=str(GATEWAY))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() in {"fastapi", "litellm"}
+    modules = {path.stem for path in (GATEWAY / "tokenbudget_litellm").glob("[!_]*.py")}
+    assert modules == {"settings", "mapping", "calls", "hook"}, "a new module: add it to the import above"
