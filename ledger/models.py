@@ -162,6 +162,24 @@ class Reservation(FSMModelMixin, models.Model):
     concurrency_held = models.BooleanField(default=False)
 
     provider_request_id = models.CharField(max_length=200, blank=True)
+    provider_adapter = models.CharField(
+        max_length=24, blank=True, help_text="The adapter the pool named when the call was dispatched."
+    )
+    provider_endpoint = models.CharField(
+        max_length=300,
+        blank=True,
+        help_text="The provider endpoint the pool named at dispatch: only a lookup there can vouch.",
+    )
+    request_sent = models.CharField(
+        max_length=7, blank=True, help_text="What the gateway reported in /fail: yes, no or unknown."
+    )
+    needs_person = models.CharField(
+        max_length=300,
+        blank=True,
+        help_text="Why no evidence can settle it (evidence contradicts our record); the reconciler stops "
+        "looking it up and a person resolves it.",
+    )
+    needs_person_since = models.DateTimeField(null=True, blank=True)
     fence = models.BigIntegerField(default=1)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     failure_reason = models.CharField(max_length=300, blank=True)
@@ -204,14 +222,18 @@ class Reservation(FSMModelMixin, models.Model):
                 name="reservation_output_conservation",
             ),
             models.CheckConstraint(condition=Q(fence__gte=1), name="reservation_fence_positive"),
-            # Billing exports and provider lookups name a call only by this id, so it must name one call.
+            # Per tenant, not per pool: pools do not map one-to-one to provider accounts (two pools may bill
+            # to one), whose exports name a call only by this id. Across tenants it is not unique, so that
+            # nothing about another tenant's ids is observable; billing and lookups handle a shared id.
             models.UniqueConstraint(
-                fields=["provider_request_id"],
+                fields=["tenant", "provider_request_id"],
                 condition=~Q(provider_request_id=""),
-                name="reservation_unique_provider_request_id",
+                name="reservation_unique_provider_request_id_per_tenant",
             ),
         ]
         indexes = [
+            # Billing imports and lookups find calls by the provider's id alone.
+            models.Index(fields=["provider_request_id"], name="reservation_provider_id"),
             models.Index(fields=["state", "lease_expires_at"]),
             models.Index(fields=["state", "created_at"]),
             # Billing buckets compare billed usage with what was dispatched per model and hour.

@@ -1,20 +1,24 @@
-"""Importing provider billing exports and reconciling them with the ledger.
+"""Importing provider billing exports and usage reports, and reconciling them with the ledger.
 
 Per-request records settle RECONCILING (and still-open dispatched) reservations at the billed usage through
-correcting ledger entries; settled ones are compared and any difference is recorded. Bucket records are
-compared with what we captured for that model and UTC bucket. Importing the same export twice changes nothing
-(content digest), a request billed twice is flagged and counted once, and missing or extra requests are
-reported.
+correcting ledger entries; settled ones are compared and any difference is recorded. Bucket records (our
+exports' buckets, OpenAI's usage buckets, Anthropic's usage report) are compared with what we captured for
+that model and UTC bucket; cost lines are kept as the provider reported them. An import's identity is its
+format and its normalised text (no BOM, LF line ends), so the same export imported again — from the admin,
+from ``manage.py import_billing`` or fetched by the beat — changes nothing. A request billed twice with the
+same amounts is flagged and counted once; with other amounts it is a mismatch and not counted; missing or
+extra requests are reported.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import connection, transaction
 from django.db.models import Sum
@@ -23,8 +27,23 @@ from budgeting.catalog.models import ModelPool
 from ledger import locks
 from ledger.models import Reservation, State
 from ledger.services import settlement
-from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
-from reconciliation.providers import BucketBillingRecord, RequestBillingRecord, scan_billing_export
+from reconciliation.models import (
+    BilledCost,
+    BilledRequest,
+    BillingFinding,
+    BillingImport,
+    BucketDrift,
+    FindingKind,
+)
+from reconciliation.providers import registry
+from reconciliation.providers.exports import BillingExportFormat, scan_billing_export
+from reconciliation.providers.records import (
+    BucketBillingRecord,
+    CostRecord,
+    ProblemKind,
+    RequestBillingRecord,
+)
+from reconciliation.reclaim import pool_provider
 
 logger = logging.getLogger(__name__)
 
@@ -43,19 +62,44 @@ class ImportResult:
         return {"records": self.billing_import.records, "settled": self.billing_import.settled, **counts}
 
 
-def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportResult:
-    """Import one billing export. Raises ValueError for an unknown format; bad lines become findings."""
-    digest = hashlib.sha256(text.encode()).hexdigest()
+PROBLEM_FINDINGS = {
+    ProblemKind.BAD_LINE: FindingKind.BAD_LINE,
+    ProblemKind.DUPLICATE: FindingKind.DUPLICATE,
+    ProblemKind.CONFLICT: FindingKind.MISMATCH,
+}
+
+
+def normalise_export(text: str) -> str:
+    """The text an import is parsed and identified by: no byte-order mark, LF line ends, one final newline.
+
+    An upload keeps the file's CRLF and BOM while an editor or ``import_billing`` may not; none of that is
+    part of what the provider billed.
+    """
+    text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    return text.rstrip("\n") + "\n" if text.strip() else ""
+
+
+def export_digest(text: str, fmt: str) -> str:
+    """An import's identity: its format and its normalised text."""
+    return hashlib.sha256(f"{fmt}\n{normalise_export(text)}".encode()).hexdigest()
+
+
+def import_export(*, text: str, fmt: BillingExportFormat, source: str, now: datetime) -> ImportResult:
+    """Import one billing export or usage report. Raises ValueError for an unknown format; bad lines become
+    findings."""
+    text = normalise_export(text)
+    digest = export_digest(text, fmt)
     existing = BillingImport.objects.filter(content_sha256=digest).first()
     if existing is not None:
         return ImportResult(existing, created=False)
-    scan = scan_billing_export(text, fmt)  # type: ignore[arg-type]
+    scan = scan_billing_export(text, fmt)
     requests = [r for r in scan.records if isinstance(r, RequestBillingRecord)]
     # A call whose gateway still holds its lease is left for a later (cumulative) export: the gateway is about
     # to settle it itself, and settling underneath it would refuse its final usage.
     live = _live_provider_ids([r.request_id for r in requests])
     requests = [r for r in requests if r.request_id not in live]
     buckets = [r for r in scan.records if isinstance(r, BucketBillingRecord)]
+    costs = [r for r in scan.records if isinstance(r, CostRecord)]
     findings: list[BillingFinding] = []
     try:
         with transaction.atomic(durable=True):
@@ -72,20 +116,18 @@ def import_export(*, text: str, fmt: str, source: str, now: datetime) -> ImportR
                 period_start=min((r.start_time for r in requests), default=None),
                 period_end=max((r.start_time for r in requests), default=None),
             )
-            for problem in scan.problems:
-                kind = (
-                    FindingKind.DUPLICATE if "duplicate" in problem.reason.lower() else FindingKind.BAD_LINE
+            findings += [
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=PROBLEM_FINDINGS[problem.kind],
+                    line=problem.line,
+                    detail=problem.reason[:500],
                 )
-                findings.append(
-                    BillingFinding(
-                        billing_import=billing_import,
-                        kind=kind,
-                        line=problem.line,
-                        detail=problem.reason[:500],
-                    )
-                )
+                for problem in scan.problems
+            ]
             fresh, seen_again = _store_requests(billing_import, requests, findings)
             _store_buckets(billing_import, buckets, findings)
+            _store_costs(billing_import, costs)
             BillingFinding.objects.bulk_create(findings)
     except _AlreadyImported:
         return ImportResult(BillingImport.objects.get(content_sha256=digest), created=False)
@@ -110,7 +152,7 @@ def _store_requests(
     """Store first-seen records. Returns (fresh, seen again with the same amounts).
 
     Provider exports are cumulative, so a record seen before with the same amounts is no news; one seen before
-    with other amounts is a duplicate bill, flagged and not counted.
+    with other amounts contradicts the first bill: a mismatch, not counted.
     """
     known = {
         b.provider_request_id: b
@@ -128,7 +170,7 @@ def _store_requests(
             findings.append(
                 BillingFinding(
                     billing_import=billing_import,
-                    kind=FindingKind.DUPLICATE,
+                    kind=FindingKind.MISMATCH,
                     provider_request_id=record.request_id,
                     line=record.line,
                     detail=f"billed again with other amounts ({record.input_tokens}/{record.output_tokens}, "
@@ -198,16 +240,43 @@ def _store_buckets(
             )
 
 
+def _store_costs(billing_import: BillingImport, records: Sequence[CostRecord]) -> None:
+    """Keep each cost line; reports are cumulative, so a line seen before takes the latest amount."""
+    for record in records:
+        BilledCost.objects.update_or_create(
+            line_item=record.line_item or "",
+            project_id=record.project_id or "",
+            api_key_id=record.api_key_id or "",
+            currency=record.currency,
+            bucket_start=record.bucket_start,
+            bucket_end=record.bucket_end,
+            defaults={"billing_import": billing_import, "amount": record.amount},
+        )
+
+
 def _settle(
     billing_import: BillingImport, records: Sequence[RequestBillingRecord], now: datetime
 ) -> list[BillingFinding]:
     findings = []
-    by_id = {
-        r.provider_request_id: r
-        for r in Reservation.objects.filter(provider_request_id__in=[rec.request_id for rec in records])
-    }
+    by_id: dict[str, list[Reservation]] = {}
+    for r in Reservation.objects.filter(provider_request_id__in=[rec.request_id for rec in records]):
+        by_id.setdefault(r.provider_request_id, []).append(r)
     for record in records:
-        reservation = by_id.get(record.request_id)
+        calls = by_id.get(record.request_id, [])
+        if len(calls) > 1:
+            # Ids are unique per tenant only; a bill naming calls of several tenants settles none of them.
+            findings.append(
+                BillingFinding(
+                    billing_import=billing_import,
+                    kind=FindingKind.AMBIGUOUS,
+                    provider_request_id=record.request_id,
+                    line=record.line,
+                    detail=f"billed {record.input_tokens}/{record.output_tokens}; {len(calls)} calls of ours "
+                    "carry this id: left for a person",
+                )
+            )
+            continue
+        reservation = calls[0] if calls else None
         if reservation is None:
             findings.append(
                 BillingFinding(
@@ -301,10 +370,25 @@ def _report_missing(
 
 
 def fetch_and_import(*, now: datetime) -> dict[str, int]:
-    """Fetch each pool's provider billing exports (per request and per hour bucket, JSONL) and import them;
-    an export seen before is recognised by its digest and changes nothing."""
+    """Fetch what each pool's provider bills and import it; a report seen before (same digest) is no news.
+
+    Simulator pools: the per-request and hourly bucket exports (JSONL). OpenAI and Anthropic pools: the usage
+    (and cost) reports of the last two days through the provider's API, only once the pool names an admin key
+    that is set — until then their import is off and files saved from the provider are imported by hand.
+    """
     totals = {"imports": 0, "unchanged": 0, "failed": 0}
     for pool in ModelPool.objects.exclude(provider_base_url=""):
+        for text, fmt, label in _fetch(pool, now, totals):
+            result = import_export(text=text, fmt=fmt, source=f"pool {pool.slug} ({label})", now=now)
+            totals["imports" if result.created else "unchanged"] += 1
+    return totals
+
+
+def _fetch(
+    pool: ModelPool, now: datetime, totals: dict[str, int]
+) -> list[tuple[str, BillingExportFormat, str]]:
+    if pool.adapter == "simulator":
+        fetched: list[tuple[str, BillingExportFormat, str]] = []
         for granularity in ("request", "bucket"):
             url = (
                 f"{pool.provider_base_url.rstrip('/')}/v1/billing/export?format=jsonl"
@@ -312,13 +396,23 @@ def fetch_and_import(*, now: datetime) -> dict[str, int]:
             )
             try:
                 with urllib.request.urlopen(url, timeout=10) as response:
-                    text = response.read().decode("utf-8")
+                    fetched.append((response.read().decode("utf-8"), "jsonl", granularity))
             except (OSError, UnicodeDecodeError) as exc:
                 logger.warning("billing export of pool %s unavailable: %s", pool.slug, exc)
                 totals["failed"] += 1
-                continue
-            result = import_export(
-                text=text, fmt="jsonl", source=f"pool {pool.slug} ({granularity})", now=now
-            )
-            totals["imports" if result.created else "unchanged"] += 1
-    return totals
+        return fetched
+    adapter = registry.build(pool_provider(pool))
+    feeds = registry.usage_feeds(adapter) if adapter is not None else []
+    if not feeds:
+        logger.info("usage import of pool %s is off: it names no admin key that is set", pool.slug)
+        return []
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    start, end = hour - timedelta(days=2), hour + timedelta(hours=1)
+    fetched = []
+    for feed, pages in feeds:
+        try:
+            fetched.append((json.dumps(pages(start, end), sort_keys=True), feed.fmt, feed.label))
+        except registry.FETCH_ERRORS as exc:
+            logger.warning("%s of pool %s unavailable: %s", feed.label, pool.slug, exc)
+            totals["failed"] += 1
+    return fetched

@@ -7,9 +7,13 @@ from django.db import models
 
 class BillingImport(models.Model):
     source = models.CharField(max_length=200, help_text="File name or task that supplied the export.")
-    fmt = models.CharField(max_length=8, help_text="csv or jsonl")
+    fmt = models.CharField(
+        max_length=16, help_text="csv, jsonl, openai-usage, openai-costs or anthropic-usage"
+    )
     content_sha256 = models.CharField(
-        max_length=64, unique=True, help_text="The same export twice is one import."
+        max_length=64,
+        unique=True,
+        help_text="Digest of the format and the normalised text: the same export twice is one import.",
     )
     records = models.PositiveIntegerField(default=0)
     settled = models.PositiveIntegerField(default=0)
@@ -79,6 +83,31 @@ class BucketDrift(models.Model):
         return self.billed_output - self.captured_output
 
 
+class BilledCost(models.Model):
+    """What one cost line (line item, project, API key) of one time bucket was charged, as last reported."""
+
+    billing_import = models.ForeignKey(BillingImport, on_delete=models.PROTECT, related_name="costs")
+    line_item = models.CharField(max_length=200, blank=True)
+    project_id = models.CharField(max_length=100, blank=True)
+    api_key_id = models.CharField(max_length=100, blank=True)
+    currency = models.CharField(max_length=8)
+    bucket_start = models.DateTimeField()
+    bucket_end = models.DateTimeField()
+    amount = models.DecimalField(max_digits=20, decimal_places=8)
+
+    class Meta:
+        ordering = ["bucket_start", "line_item"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["line_item", "project_id", "api_key_id", "currency", "bucket_start", "bucket_end"],
+                name="billed_cost_unique_line",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.line_item or 'total'} {self.bucket_start:%Y-%m-%d}: {self.amount} {self.currency}"
+
+
 class FindingKind(models.TextChoices):
     SETTLED = "SETTLED", "Settled a reservation at billed usage"
     MATCHED = "MATCHED", "Billed usage equals what we settled"
@@ -86,6 +115,7 @@ class FindingKind(models.TextChoices):
     DUPLICATE = "DUPLICATE", "Duplicate line or request (not counted twice)"
     MISSING = "MISSING", "Dispatched by us, absent from the export"
     EXTRA = "EXTRA", "Billed, unknown to us"
+    AMBIGUOUS = "AMBIGUOUS", "Billed id names calls of several tenants (left for a person)"
     BAD_LINE = "BAD_LINE", "Line could not be read"
     BUCKET_DRIFT = "BUCKET_DRIFT", "Bucket totals differ from what we captured"
 

@@ -2,28 +2,53 @@
 
 The database decides who does what (fences and SKIP LOCKED), so two workers or two beats running the same
 task at once never double-apply anything. Provider lookups are slow I/O and happen between transactions.
+What a lookup proves is decided by ``providers.base``: "not found" releases a call only when the pool's
+adapter can vouch for it; a call nothing automatic can ever settle (evidence that contradicts our record, a
+provider that moved, or one that bills by the bucket and cannot vouch) is flagged for a person and no longer
+looked up.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from budgeting.catalog.models import ModelPool
+from ledger.models import Reservation
 from ledger.services import settlement
-from reconciliation.providers import LookupStatus, ProviderLookup, SimulatorLookup
+from reconciliation.providers import registry
+from reconciliation.providers.base import (
+    DispatchRecord,
+    Judgement,
+    ProviderAdapter,
+    Verdict,
+    before_lookup,
+    judge,
+    normalise_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 
-LookupFor = Callable[[int], ProviderLookup | None]
+LookupFor = Callable[[int], ProviderAdapter | None]
 
 
-def lookup_for_pool(pool_id: int) -> ProviderLookup | None:
-    """The provider adapter configured for a model pool, or None when the pool has none."""
-    base_url = ModelPool.objects.filter(pk=pool_id).values_list("provider_base_url", flat=True).first()
-    return SimulatorLookup(base_url, timeout=5.0) if base_url else None
+def pool_provider(pool: ModelPool) -> registry.PoolProvider:
+    """A pool's provider settings, its keys read from the environment variables it names."""
+    return registry.PoolProvider(
+        adapter=pool.adapter,
+        base_url=pool.provider_base_url,
+        api_key=os.environ.get(pool.api_key_env) if pool.api_key_env else None,
+        admin_key=os.environ.get(pool.admin_key_env) if pool.admin_key_env else None,
+    )
+
+
+def lookup_for_pool(pool_id: int) -> ProviderAdapter | None:
+    """The provider adapter configured for a model pool, or None when the pool names no endpoint."""
+    pool = ModelPool.objects.filter(pk=pool_id).first()
+    return registry.build(pool_provider(pool)) if pool is not None else None
 
 
 @dataclass
@@ -33,7 +58,36 @@ class ReclaimReport:
     settled: int = 0
     refunded: int = 0
     still_unknown: int = 0
+    needs_person: int = 0
     details: list[str] = field(default_factory=list)
+
+
+def _judge_claim(
+    claim: settlement.Claim, adapter: ProviderAdapter, now: datetime
+) -> tuple[Judgement, int, int]:
+    """What a lookup through ``adapter`` proves about the claimed call: (judgement, billed input, output)."""
+    record = DispatchRecord(
+        provider_request_id=claim.provider_request_id,
+        adapter=claim.provider_adapter,
+        endpoint=normalise_endpoint(claim.provider_endpoint),
+        dispatched_at=claim.dispatched_at,
+        request_sent=claim.request_sent,
+    )
+    early = before_lookup(adapter, record)
+    if early is not None:
+        return early, 0, 0
+    shared = (
+        Reservation.objects.filter(
+            provider_request_id=claim.provider_request_id, provider_endpoint=claim.provider_endpoint
+        )
+        .exclude(pk=claim.reservation_id)
+        .exists()
+    )
+    if shared:
+        # Ids are unique per tenant only: the provider's answer could be about another tenant's call.
+        return Judgement(Verdict.PERSON, "another call was dispatched with this provider request id"), 0, 0
+    result = adapter.lookup(claim.provider_request_id)
+    return judge(adapter, record, result, now=now), result.input_tokens, result.output_tokens
 
 
 def _resolve(
@@ -44,24 +98,33 @@ def _resolve(
         if adapter is None:
             report.still_unknown += 1
             continue
-        result = adapter.lookup(claim.provider_request_id)
-        if not result.authoritative:
+        judgement, billed_input, billed_output = _judge_claim(claim, adapter, now)
+        if judgement.verdict == Verdict.WAIT:
             report.still_unknown += 1
             continue
-        if result.status == LookupStatus.COMPLETED:
+        if judgement.verdict == Verdict.PERSON:
+            # Still unknown, and from now on a person's: counted in both.
+            report.still_unknown += 1
+            if settlement.flag_for_person(
+                reservation_id=claim.reservation_id, fence=claim.fence, reason=judgement.reason, now=now
+            ):
+                report.needs_person += 1
+                logger.warning("reservation %s needs a person: %s", claim.reservation_id, judgement.reason)
+            continue
+        source = f"lookup at {adapter.name}"
+        if judgement.verdict == Verdict.COMPLETED:
             evidence = settlement.Evidence(
-                settlement.EvidenceKind.COMPLETED, result.input_tokens, result.output_tokens
+                settlement.EvidenceKind.COMPLETED, billed_input, billed_output, source=source
             )
-        elif result.status == LookupStatus.NOT_PROCESSED:
-            evidence = settlement.Evidence(settlement.EvidenceKind.NOT_PROCESSED)
         else:
-            report.still_unknown += 1
-            continue
+            evidence = settlement.Evidence(settlement.EvidenceKind.NOT_PROCESSED, source=source)
         settled = settlement.settle_from_evidence(
             reservation_id=claim.reservation_id, fence=claim.fence, evidence=evidence, now=now
         )
         if settled is None:
-            report.details.append(f"{claim.reservation_id}: fence moved on or already settled")
+            report.details.append(
+                f"{claim.reservation_id}: not settled (fence moved, settled, or contradicted)"
+            )
         elif evidence.kind == settlement.EvidenceKind.NOT_PROCESSED:
             report.refunded += 1
         else:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from simulation.billing import BillingStatus, api_key_id
+from simulation import provider_shapes
+from simulation.billing import BillingEntry, BillingStatus, api_key_id
 from simulation.completions import Completion, chunk_text, cumulative, generate, swap_pairs, usage_object
 from simulation.exports import EXPORT_FORMATS, EXPORT_GRANULARITIES, parse_bucket_width, parse_query_time
 from simulation.faults import Fault, LookupFault, Script, script_from_header
@@ -21,6 +22,12 @@ if TYPE_CHECKING:
     from simulation.provider import Simulator
 
 SYSTEM_FINGERPRINT: Final = "fp_simulator"
+Report = Callable[[Sequence[BillingEntry], Mapping[str, list[str]]], dict[str, Any]]
+REPORTS: Final[Mapping[str, Report]] = {
+    "/v1/organization/usage/completions": provider_shapes.openai_usage,
+    "/v1/organization/costs": provider_shapes.openai_costs,
+    "/v1/organizations/usage_report/messages": provider_shapes.anthropic_usage,
+}
 _MAX_REQUEST_ID_LENGTH: Final = 256
 
 
@@ -52,10 +59,15 @@ class ProviderHandler(WireHandler):
 
     def do_GET(self) -> None:
         parts = urlsplit(self.path)
+        report = REPORTS.get(parts.path)
         if parts.path.startswith("/v1/requests/"):
             self._lookup(unquote(parts.path.removeprefix("/v1/requests/")))
+        elif parts.path.startswith("/v1/chat/completions/"):
+            self._stored_completion(unquote(parts.path.removeprefix("/v1/chat/completions/")))
         elif parts.path == "/v1/billing/export":
             self._export(parse_qs(parts.query))
+        elif report is not None:
+            self._report(report, parse_qs(parts.query))
         else:
             self._send_error(404, "invalid_request_error", "not_found", f"no route GET {self.path}")
 
@@ -287,6 +299,33 @@ class ProviderHandler(WireHandler):
                 created=int(row.started_at.timestamp()),
             )
         self._send_json(200, answer)
+
+    def _stored_completion(self, request_id: str) -> None:
+        """OpenAI's retrieval of a stored chat completion: every finished, billed request is stored."""
+        if self._bearer() is None:
+            self._send_error(401, "invalid_request_error", "invalid_api_key", "missing bearer token")
+            return
+        row = self.sim.entry(request_id)
+        if row is None or not row.billed:
+            message = f"No chat completion found with id '{request_id}'."
+            self._send_json(
+                404,
+                {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+            )
+            return
+        self._send_json(200, provider_shapes.stored_completion(row))
+
+    def _report(self, report: Report, query: Mapping[str, list[str]]) -> None:
+        """A provider's usage or cost report; it needs the organization's admin key (any key, here)."""
+        if self._bearer() is None and not self.headers.get("x-api-key"):
+            self._send_error(401, "invalid_request_error", "invalid_api_key", "an admin key is required")
+            return
+        try:
+            page = report(self.sim.entries(), query)
+        except ValueError as exc:
+            self._send_error(400, "invalid_request_error", "invalid_report_query", str(exc))
+            return
+        self._send_json(200, page)
 
     def _export(self, query: Mapping[str, list[str]]) -> None:
         def one(name: str, default: str | None) -> str | None:

@@ -1,6 +1,7 @@
 """Billing exports of the provider simulator: per-request rows or per-bucket aggregates, as CSV or JSON Lines.
 
-The columns are the ones ``reconciliation.providers`` parses, so the platform's own billing import reads them.
+The columns are the ones ``reconciliation.providers.exports`` parses, so the platform's own billing import
+reads them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Literal
 
-from reconciliation.providers import BUCKET_FIELDS, REQUEST_FIELDS
+from reconciliation.providers.exports import BUCKET_FIELDS, REQUEST_FIELDS
 from simulation.billing import BillingEntry
 
 ExportFormat = Literal["csv", "jsonl"]

@@ -63,6 +63,21 @@ class TaskClass(models.Model):
         return self.slug
 
 
+class Provider(models.TextChoices):
+    SIMULATOR = "simulator", "Provider simulator"
+    OPENAI = "openai", "OpenAI"
+    ANTHROPIC = "anthropic", "Anthropic"
+
+
+class ProviderAdapter(models.TextChoices):
+    """How the reconciler reads a pool's provider (``reconciliation.providers.registry`` builds each one)."""
+
+    SIMULATOR = "simulator", "Simulator: lookups by our request id, 'not found' vouched for"
+    OPENAI = "openai", "OpenAI: stored chat completions and Responses by id; usage and costs import"
+    ANTHROPIC_BATCHES = "anthropic-batches", "Anthropic Message Batches: results by batch; usage report"
+    ANTHROPIC_MESSAGES = "anthropic-messages", "Anthropic Messages: no lookup (cannot vouch); usage report"
+
+
 class ModelPool(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     region = models.CharField(max_length=32)
@@ -71,9 +86,35 @@ class ModelPool(models.Model):
         blank=True,
         help_text="Base URL of the provider adapter used for lookups (simulator or real).",
     )
+    provider = models.CharField(max_length=16, choices=Provider.choices, default=Provider.SIMULATOR)
+    adapter = models.CharField(
+        max_length=24,
+        choices=ProviderAdapter.choices,
+        default=ProviderAdapter.SIMULATOR,
+        help_text="What the reconciler may prove through this provider; recorded on each call at dispatch.",
+    )
+    api_key_env = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="Name of the environment variable holding the API key lookups use (never the key itself).",
+    )
+    admin_key_env = models.CharField(
+        max_length=64,
+        blank=True,
+        help_text="Name of the environment variable holding the organization admin key; the usage and cost "
+        "import from the provider's API is off until it is set.",
+    )
 
     class Meta:
         ordering = ["slug"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(provider="simulator", adapter="simulator")
+                | Q(provider="openai", adapter="openai")
+                | Q(provider="anthropic", adapter__in=["anthropic-batches", "anthropic-messages"]),
+                name="modelpool_adapter_of_its_provider",
+            )
+        ]
 
     def __str__(self) -> str:
         return self.slug

@@ -10,8 +10,10 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Subquery
 
 from budgeting.catalog.errors import Conflict, NotFound
+from budgeting.catalog.models import ModelPool
 from ledger import locks
 from ledger.errors import (
     InvalidTransition,
@@ -69,10 +71,12 @@ def dispatch(
     admitted_digest: str,
     now: datetime,
 ) -> Reservation:
-    """Record the dispatch (before the provider call): input is posted as consumed.
+    """Record the dispatch (before the provider call): input is posted as consumed, and the provider adapter
+    and endpoint the pool names now are recorded, since only a lookup there can vouch for the call later.
 
     Repeating the same dispatch is a no-op. Raises PayloadChanged for another digest, StaleFence,
-    InvalidTransition, NotFound.
+    InvalidTransition, NotFound, and Conflict PROVIDER_REQUEST_ID_IN_USE when another call of the same
+    tenant has this providerRequestId (another tenant's use of an id is never observable).
     """
 
     def attempt() -> Reservation:
@@ -88,6 +92,11 @@ def dispatch(
                     return reservation
                 raise _refuse(reservation, "dispatch")
             reservation.dispatch(provider_request_id)
+            # The adapter and endpoint the pool names now, read by the reservation's own UPDATE (no statement
+            # of their own); the returned instance holds these expressions, not their values.
+            pool = ModelPool.objects.filter(pk=reservation.model_pool_id)
+            reservation.provider_adapter = Subquery(pool.values("adapter")[:1])
+            reservation.provider_endpoint = Subquery(pool.values("provider_base_url")[:1])
             reservation.dispatched_at = now
             reservation.save()
             n = reservation.input_reserved
@@ -105,10 +114,10 @@ def dispatch(
         return with_retries(attempt)
     except IntegrityError as error:
         constraint = getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
-        if constraint != "reservation_unique_provider_request_id":
+        if constraint != "reservation_unique_provider_request_id_per_tenant":
             raise
         raise Conflict(
-            f"providerRequestId {provider_request_id!r} already names another call",
+            f"providerRequestId {provider_request_id!r} already names another call of this tenant",
             code="PROVIDER_REQUEST_ID_IN_USE",
         ) from None
 
@@ -315,6 +324,8 @@ def fail(
                         final=False,
                     )
                 reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
+                # A later "not found" from the provider cannot prove non-processing against this report.
+                reservation.request_sent = request_sent
             elif reservation.state in {
                 State.PARTIALLY_SETTLED,
                 State.SETTLED,

@@ -1,4 +1,5 @@
-"""Reclaiming expired leases and settling unknown outcomes from authoritative evidence."""
+"""Reclaiming expired leases, settling unknown outcomes from authoritative evidence, and the reservations
+no evidence can settle: flagged for a person, who resolves them here."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import QuerySet
 from django_fsm import TransitionNotAllowed
 
+from budgeting.catalog.changes import Actor, record_change, require_reason
+from budgeting.catalog.errors import InvalidInput, NotFound
 from ledger import locks
+from ledger.errors import InvalidTransition
 from ledger.models import (
     AFTER_DISPATCH,
     EntryKind,
@@ -24,18 +31,34 @@ from ledger.services.retries import with_retries
 logger = logging.getLogger(__name__)
 
 
-logger = logging.getLogger(__name__)
-
-
 RECLAIMABLE = [State.RESERVED, State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED]
 
 
 @dataclass(frozen=True)
 class Claim:
+    """A reservation taken over for a provider lookup, with what dispatch recorded about its call."""
+
     reservation_id: uuid.UUID
     fence: int
     provider_request_id: str
     pool_id: int
+    provider_adapter: str
+    provider_endpoint: str
+    dispatched_at: datetime | None
+    request_sent: str
+
+    @classmethod
+    def of(cls, reservation: Reservation) -> Claim:
+        return cls(
+            reservation.pk,
+            reservation.fence,
+            reservation.provider_request_id,
+            reservation.model_pool_id,
+            reservation.provider_adapter,
+            reservation.provider_endpoint,
+            reservation.dispatched_at,
+            reservation.request_sent,
+        )
 
 
 def claim_expired_leases(*, now: datetime, limit: int = 100) -> tuple[list[uuid.UUID], list[Claim]]:
@@ -105,9 +128,7 @@ def _take_over(reservation: Reservation, now: datetime, db_now: datetime) -> Cla
     reservation.freeze_unknown()
     reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
     reservation.save()
-    return Claim(
-        reservation.pk, reservation.fence, reservation.provider_request_id, reservation.model_pool_id
-    )
+    return Claim.of(reservation)
 
 
 def claim_reconciling(*, limit: int = 100, min_age_seconds: int = 0) -> list[Claim]:
@@ -121,14 +142,7 @@ def claim_reconciling(*, limit: int = 100, min_age_seconds: int = 0) -> list[Cla
             reservation.fence += 1
             reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
             reservation.save(update_fields=["fence", "lease_expires_at", "updated_at"])
-            claims.append(
-                Claim(
-                    reservation.pk,
-                    reservation.fence,
-                    reservation.provider_request_id,
-                    reservation.model_pool_id,
-                )
-            )
+            claims.append(Claim.of(reservation))
         return claims
 
 
@@ -182,10 +196,19 @@ def settle_from_evidence(
                     else reservation.release_unprocessed
                 )
                 if reservation.captured or reservation.overrun:
-                    # Usage was reported for it, so "never processed" contradicts our own record: keep it.
+                    # Usage was reported for it, so "never processed" contradicts our own record: keep it
+                    # held, and stop looking it up — no later answer can settle a contradiction.
                     logger.error(
                         "reservation %s: not-processed evidence contradicts captured usage", reservation.pk
                     )
+                    if reservation.state == State.RECONCILING:
+                        _flag(
+                            reservation,
+                            f"{evidence.source} says never processed, but {reservation.captured} output "
+                            f"tokens (+{reservation.overrun} overrun) were captured",
+                            now,
+                        )
+                        reservation.save()
                     return None
                 settle(
                     reservation,
@@ -250,3 +273,133 @@ def _post_billed(
             input_consumed=diff,
             reason=f"{evidence.source}: billed {evidence.input_tokens} input",
         )
+
+
+def _flag(reservation: Reservation, reason: str, now: datetime) -> None:
+    """Mark a RECONCILING reservation as needing a person. Without a lease no reclaimer claims it again."""
+    reservation.needs_person = reason[:300]
+    reservation.needs_person_since = now
+    reservation.lease_expires_at = None
+
+
+def flag_for_person(*, reservation_id: uuid.UUID, fence: int, reason: str, now: datetime) -> bool:
+    """Stop looking up a RECONCILING reservation that no lookup can settle, and show it to a person.
+
+    Returns False when the claimer's fence moved on or the reservation is no longer RECONCILING.
+    """
+    with transaction.atomic(durable=True):
+        reservation = locks.lock_reservation(reservation_id)
+        if reservation is None or reservation.fence != fence or reservation.state != State.RECONCILING:
+            return False
+        _flag(reservation, reason, now)
+        reservation.save(
+            update_fields=["needs_person", "needs_person_since", "lease_expires_at", "updated_at"]
+        )
+        return True
+
+
+def needing_a_person() -> QuerySet[Reservation]:
+    """The backlog a person works through: RECONCILING reservations flagged as needing one, oldest first."""
+    return (
+        Reservation.objects.filter(state=State.RECONCILING)
+        .exclude(needs_person="")
+        .select_related("tenant", "model_pool")
+        .order_by("needs_person_since", "pk")
+    )
+
+
+class Resolution(StrEnum):
+    """What a person decided about a RECONCILING reservation."""
+
+    AS_RECORDED = "AS_RECORDED"
+    """It was processed as we recorded it: post what was captured, release the rest."""
+    AS_BILLED = "AS_BILLED"
+    """It was processed and billed at the amounts the person gives (from the provider's records)."""
+    NOT_PROCESSED = "NOT_PROCESSED"
+    """It was never processed: compensate what was captured, refund the input, release everything."""
+
+
+def resolve_for_person(
+    *,
+    reservation_id: uuid.UUID,
+    resolution: Resolution,
+    actor: Actor,
+    reason: str,
+    now: datetime,
+    input_tokens: int | None = None,
+    output_tokens: int | None = None,
+) -> Reservation:
+    """Settle a RECONCILING reservation as a person decided, with compensating ledger entries and a change-log
+    entry (before and after) in the same transaction.
+
+    Raises NotFound, InvalidTransition (not RECONCILING), InvalidInput (no reason; AS_BILLED without both
+    amounts, or amounts given for another resolution, or negative ones).
+    """
+    reason = require_reason(reason)
+    amounts = (input_tokens, output_tokens)
+    if resolution == Resolution.AS_BILLED:
+        if input_tokens is None or output_tokens is None or input_tokens < 0 or output_tokens < 0:
+            raise InvalidInput("a billed resolution needs non-negative input and output tokens")
+    elif amounts != (None, None):
+        raise InvalidInput(f"{resolution} takes no amounts")
+
+    def attempt() -> Reservation:
+        with transaction.atomic(durable=True):
+            reservation = locks.lock_reservation(reservation_id)
+            if reservation is None:
+                raise NotFound("no such reservation")
+            if reservation.state != State.RECONCILING:
+                raise InvalidTransition(
+                    f"only a RECONCILING reservation can be resolved, not one in state {reservation.state}",
+                    state=reservation.state,
+                    outcome=reservation.outcome or None,
+                )
+            before = _resolution_view(reservation)
+            account_ids = held_account_ids(reservation)
+            source = f"resolved by {actor.username} ({resolution}): {reason}"
+            if resolution == Resolution.NOT_PROCESSED:
+                _post_billed(
+                    reservation, account_ids, Evidence(EvidenceKind.COMPLETED, 0, 0, source), now=now
+                )
+                settle(reservation, reservation.reconcile_unprocessed, account_ids, now=now, reason=source)
+            else:
+                billed = (
+                    Evidence(EvidenceKind.COMPLETED, input_tokens or 0, output_tokens or 0, source)
+                    if resolution == Resolution.AS_BILLED
+                    else Evidence(
+                        EvidenceKind.COMPLETED,
+                        reservation.input_consumed,
+                        reservation.captured + reservation.overrun,
+                        source,
+                    )
+                )
+                _post_billed(reservation, account_ids, billed, now=now)
+                settle(reservation, reservation.reconcile, account_ids, now=now, reason=source)
+            reservation.save()
+            record_change(
+                actor=actor,
+                action=f"reservation.resolve.{resolution.lower()}",
+                target=reservation,
+                before=before,
+                after=_resolution_view(reservation),
+                reason=reason,
+            )
+            return reservation
+
+    return with_retries(attempt)
+
+
+RESOLUTION_FIELDS = (
+    "state",
+    "outcome",
+    "input_consumed",
+    "captured",
+    "overrun",
+    "remaining",
+    "released",
+    "needs_person",
+)
+
+
+def _resolution_view(reservation: Reservation) -> dict[str, Any]:
+    return {name: getattr(reservation, name) for name in RESOLUTION_FIELDS}

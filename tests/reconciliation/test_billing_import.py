@@ -14,7 +14,8 @@ from ledger.services import lifecycle, settlement
 from reconciliation.billing import import_export
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
 from simulation.provider import Simulator
-from tests.ledger.helpers import catalog, now, tenant_account
+from tests.factories import TenantFactory
+from tests.ledger.helpers import Catalog, catalog, now, tenant_account
 from tests.reconciliation.helpers import call_provider, dispatched, expire
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -89,7 +90,7 @@ def test_a_cumulative_export_seen_again_is_no_news(cat, sim):
     assert LedgerEntry.objects.count() == entries
 
 
-def test_a_request_billed_again_with_other_amounts_is_flagged_not_counted(cat, sim):
+def test_a_request_billed_again_with_other_amounts_is_a_mismatch_not_counted(cat, sim):
     r = frozen(cat, sim)
     text = sim.billing_export("jsonl")
     import_export(text=text, fmt="jsonl", source="a", now=now())
@@ -98,7 +99,7 @@ def test_a_request_billed_again_with_other_amounts_is_flagged_not_counted(cat, s
     inflated = text.replace(f'"output_tokens":{billed.completion_tokens}', '"output_tokens":999')
     assert inflated != text
     again = import_export(text=inflated, fmt="jsonl", source="b", now=now())
-    assert kinds(again.billing_import) == {FindingKind.DUPLICATE: 1}
+    assert kinds(again.billing_import) == {FindingKind.MISMATCH: 1}
     assert LedgerEntry.objects.count() == entries
     assert (
         BilledRequest.objects.get(provider_request_id=r.provider_request_id).output_tokens
@@ -216,3 +217,44 @@ def test_a_bucket_drift_is_reported_once_until_it_changes(cat, sim):
     assert kinds(first.billing_import) == {FindingKind.BUCKET_DRIFT: 1}
     assert kinds(again.billing_import) == {}
     assert BucketDrift.objects.count() == 1
+
+
+def test_one_export_is_one_import_whatever_its_line_endings_bom_or_channel(cat, sim, tmp_path):
+    frozen(cat, sim)
+    text = sim.billing_export("csv")
+    # The admin upload keeps the file's bytes: CRLF line endings and a byte-order mark.
+    uploaded = "\ufeff" + text.replace("\n", "\r\n")
+    first = import_export(text=uploaded, fmt="csv", source="upload.csv", now=now())
+    assert first.created and kinds(first.billing_import) == {FindingKind.SETTLED: 1}
+    path = tmp_path / "export.csv"
+    path.write_bytes(text.encode())
+    out = StringIO()
+    call_command("import_billing", str(path), stdout=out)
+    assert out.getvalue().startswith("already imported")
+    path.write_bytes(uploaded.encode())
+    call_command("import_billing", str(path), stdout=out)
+    assert BillingImport.objects.count() == 1
+
+
+def test_a_request_billed_twice_in_one_export_with_other_amounts_is_a_mismatch(cat, sim):
+    r = frozen(cat, sim)
+    [line] = sim.billing_export("jsonl").strip().splitlines()
+    billed = sim.entry(r.provider_request_id)
+    other = line.replace(f'"output_tokens":{billed.completion_tokens}', '"output_tokens":999')
+    result = import_export(text=f"{line}\n{other}\n", fmt="jsonl", source="twice", now=now())
+    assert kinds(result.billing_import) == {FindingKind.MISMATCH: 1}
+    assert Reservation.objects.get(pk=r.pk).state == State.RECONCILING, "neither copy is trusted"
+
+
+def test_a_bill_naming_calls_of_two_tenants_settles_neither(cat, sim):
+    r = frozen(cat, sim)
+    other = Catalog(TenantFactory(slug="t-2"), cat.task_class, cat.pool, cat.model)
+    tenant_account(other, input_limit=10**6, output_limit=10**6)
+    theirs = dispatched(other, r.provider_request_id)
+    expire(theirs)
+    settlement.claim_expired_leases(now=now())
+    result = import_export(text=sim.billing_export("jsonl"), fmt="jsonl", source="shared", now=now())
+    assert kinds(result.billing_import) == {FindingKind.AMBIGUOUS: 1}
+    assert {x.state for x in Reservation.objects.filter(provider_request_id=r.provider_request_id)} == {
+        State.RECONCILING
+    }

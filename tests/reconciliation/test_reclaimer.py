@@ -11,7 +11,7 @@ from ledger.models import Outcome, Reservation, State
 from ledger.selectors import audit
 from ledger.services import lifecycle, settlement
 from reconciliation import reclaim as reconciliation
-from reconciliation.providers import SimulatorLookup
+from reconciliation.providers.simulator import SimulatorLookup
 from simulation.provider import Simulator
 from tests.ledger.helpers import admit, catalog, now, run_concurrently, spec, tenant_account
 from tests.reconciliation.helpers import call_provider, dispatched, expire

@@ -15,11 +15,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from reconciliation.providers import (
-    BucketBillingRecord,
-    RequestBillingRecord,
-    parse_billing_export,
-)
+from reconciliation.providers.exports import parse_billing_export
+from reconciliation.providers.records import BucketBillingRecord, RequestBillingRecord
 from simulation.billing import BillingStatus, api_key_id
 from simulation.completions import default_prompt_counter
 from simulation.exports import parse_bucket_width

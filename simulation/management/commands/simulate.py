@@ -1,7 +1,9 @@
 """``manage.py simulate``: the end-to-end run against the running platform (``./platform run``).
 
 It starts the provider simulator on loopback, points the model pools' provider at it for the run (and
-restores them afterwards), drives the ``reconciliation.traffic`` fleet through the real HTTP API for
+restores them afterwards) — through the simulator's own adapter, or with ``--adapter openai`` through the
+real OpenAI adapter (the official SDK: stored-completion lookups, usage and cost buckets), the simulator
+answering in OpenAI's shapes — drives the ``reconciliation.traffic`` fleet through the real HTTP API for
 ``--duration`` seconds while showing a live status line, waits (bounded) until the platform's Celery worker
 and beat have resolved every reservation of the run — enqueueing the reclaim and lookup tasks itself to
 speed that up — and prints a summary. It exits non-zero when the ledger audit finds a violation or a leak,
@@ -30,6 +32,7 @@ from budgeting.catalog.models import ModelPool
 from budgeting.celery import app as celery_app
 from ledger.models import Reservation, State
 from ledger.selectors import AuditReport, audit
+from reconciliation import billing
 from reconciliation.models import BillingImport
 from simulation.billing import BillingComparison
 from simulation.provider import Simulator
@@ -37,6 +40,9 @@ from simulation.traffic import Fleet
 
 DEMO_TOKEN = "tb_demo_gateway_eu_0000000000000000"
 PROVIDER_KEY = "sk-simulate"
+# The OpenAI adapter fetches usage only with an admin key; the simulator takes any. It lives in this process
+# only, so with --adapter openai this command runs the usage import itself.
+ADMIN_KEY_ENV = "TB_SIMULATE_ADMIN_KEY"
 OPEN = [State.PROPOSED, State.RESERVED, State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED]
 SPEED_UP_TASKS = (
     "reconciliation.reclaim_expired_leases",
@@ -75,6 +81,13 @@ class Command(BaseCommand):
             help="Celery queue to send the reclaim/lookup/billing tasks to (default: the default queue)",
         )
         parser.add_argument(
+            "--adapter",
+            choices=["simulator", "openai"],
+            default="simulator",
+            help="how the platform reads the provider: the simulator's adapter (default) or the real OpenAI "
+            "adapter against the simulator's OpenAI-shaped endpoints",
+        )
+        parser.add_argument(
             "--no-enqueue",
             action="store_true",
             help="leave reconciliation to the beat alone instead of also enqueueing the reclaim/lookup tasks",
@@ -91,7 +104,8 @@ class Command(BaseCommand):
         # Words per chunk as real providers send them (a few tokens each), to keep chunks realistic.
         sim = Simulator(seed=options["seed"], max_words_per_chunk=6)
         sim.start()
-        previous = _point_pools(sim.base_url)
+        adapter: str = options["adapter"]
+        previous = _point_pools(sim.base_url, adapter)
         try:
             fleet = Fleet(
                 api_url=api_url,
@@ -116,8 +130,8 @@ class Command(BaseCommand):
             queue: str | None = options["task_queue"]
             enqueue = not options["no_enqueue"]
             settled = self._settle(fleet, settle_timeout, status, enqueue=enqueue, queue=queue)
-            billing = _import_billing(queue)
-            summary = Summary.collect(fleet, sim, billing)
+            imported = _import_billing(queue, adapter)
+            summary = Summary.collect(fleet, sim, imported, vouching=adapter == "simulator")
         finally:
             _restore_pools(previous)
             sim.stop()
@@ -145,12 +159,14 @@ class Command(BaseCommand):
     def _settle(
         self, fleet: Fleet, timeout: float, status: StatusLine, *, enqueue: bool, queue: str | None
     ) -> bool:
-        """Wait until no reservation of the run is open or RECONCILING; True if that happened in time."""
+        """Wait until no reservation of the run is open or RECONCILING (unless flagged for a person); True if
+        that happened in time."""
         deadline = time.monotonic() + timeout
         next_enqueue = 0.0
         while time.monotonic() < deadline:
             counts = run_states(fleet.request_prefix)
-            if not sum(counts[state] for state in [*OPEN, State.RECONCILING]):
+            waiting = counts[State.RECONCILING] - needing_a_person(fleet.request_prefix)
+            if not sum(counts[state] for state in OPEN) and not waiting:
                 status.show("reconciled", final=True)
                 return True
             if enqueue and time.monotonic() >= next_enqueue:
@@ -173,19 +189,41 @@ def _require_api(api_url: str) -> None:
         ) from None
 
 
-def _point_pools(base_url: str) -> dict[int, str]:
-    """Point every model pool's provider (lookups, billing exports) at ``base_url``; return the old URLs.
+POOL_PROVIDER_FIELDS = ("provider_base_url", "provider", "adapter", "api_key_env", "admin_key_env")
+
+
+def _point_pools(base_url: str, adapter: str) -> dict[int, dict[str, Any]]:
+    """Point every model pool's provider (lookups, billing) at the simulator through ``adapter``; return the
+    old settings.
 
     A direct update: this is the simulation's own wiring of a demo database, not an operator's change.
     """
-    previous = dict(ModelPool.objects.values_list("pk", "provider_base_url"))
-    ModelPool.objects.update(provider_base_url=base_url)
+    previous = {row["pk"]: row for row in ModelPool.objects.values("pk", *POOL_PROVIDER_FIELDS)}
+    if adapter == "openai":
+        os.environ[ADMIN_KEY_ENV] = "sk-simulate-admin"
+        ModelPool.objects.update(
+            provider_base_url=f"{base_url}/v1",
+            provider="openai",
+            adapter="openai",
+            admin_key_env=ADMIN_KEY_ENV,
+        )
+    else:
+        ModelPool.objects.update(provider_base_url=base_url, provider="simulator", adapter="simulator")
     return previous
 
 
-def _restore_pools(previous: Mapping[int, str]) -> None:
-    for pk, url in previous.items():
-        ModelPool.objects.filter(pk=pk).update(provider_base_url=url)
+def _restore_pools(previous: Mapping[int, Mapping[str, Any]]) -> None:
+    for pk, row in previous.items():
+        ModelPool.objects.filter(pk=pk).update(**{name: row[name] for name in POOL_PROVIDER_FIELDS})
+
+
+def needing_a_person(prefix: str) -> int:
+    """How many reservations of the run the reconciler handed to a person."""
+    return (
+        Reservation.objects.filter(request_id__startswith=prefix, state=State.RECONCILING)
+        .exclude(needs_person="")
+        .count()
+    )
 
 
 def run_states(prefix: str) -> Counter[str]:
@@ -234,10 +272,14 @@ class BillingCheck:
     findings: Mapping[str, int]
 
 
-def _import_billing(queue: str | None) -> BillingCheck:
-    """Enqueue the billing-import task and wait (bounded) for the import it creates."""
+def _import_billing(queue: str | None, adapter: str) -> BillingCheck:
+    """Enqueue the billing-import task and wait (bounded) for the import it creates; with the OpenAI adapter,
+    run the usage import here (the admin key is this process's)."""
     started = timezone.now()
-    celery_app.send_task("reconciliation.import_provider_billing", queue=queue)
+    if adapter == "openai":
+        billing.fetch_and_import(now=started)
+    else:
+        celery_app.send_task("reconciliation.import_provider_billing", queue=queue)
     deadline = time.monotonic() + IMPORT_TIMEOUT_S
     while time.monotonic() < deadline:
         done = BillingImport.objects.filter(imported_at__gte=started).order_by("-imported_at").first()
@@ -256,6 +298,8 @@ class Summary:
     outcomes: Mapping[tuple[str, str], int]
     open_left: int
     reconciling_left: int
+    needs_person: int
+    vouching: bool
     overruns: int
     overrun_tokens: int
     audit: AuditReport
@@ -264,7 +308,7 @@ class Summary:
     checked_at: datetime
 
     @classmethod
-    def collect(cls, fleet: Fleet, sim: Simulator, billing: BillingCheck) -> Summary:
+    def collect(cls, fleet: Fleet, sim: Simulator, billing: BillingCheck, *, vouching: bool) -> Summary:
         ours = Reservation.objects.filter(request_id__startswith=fleet.request_prefix)
         outcomes = {
             (row["state"], row["outcome"] or ""): row["n"]
@@ -282,7 +326,9 @@ class Summary:
             traffic=fleet.tally.snapshot(),
             outcomes=outcomes,
             open_left=ours.filter(state__in=OPEN).count(),
-            reconciling_left=ours.filter(state=State.RECONCILING).count(),
+            reconciling_left=ours.filter(state=State.RECONCILING, needs_person="").count(),
+            needs_person=needing_a_person(fleet.request_prefix),
+            vouching=vouching,
             overruns=overruns["n"] or 0,
             overrun_tokens=overruns["tokens"] or 0,
             audit=audit(now),
@@ -303,6 +349,9 @@ class Summary:
             )
         if self.open_left or self.reconciling_left:
             found.append(f"{self.open_left} open and {self.reconciling_left} reconciling reservations left")
+        if self.vouching and self.needs_person:
+            # The simulator vouches for every answer: only contradictory evidence can need a person.
+            found.append(f"{self.needs_person} reservations need a person")
         if self.billing.findings.get("MISMATCH"):
             found.append(f"billing import found {self.billing.findings['MISMATCH']} mismatches")
         return found
@@ -331,6 +380,12 @@ class Summary:
             lines.append(f"  {(state + ' ' + outcome).strip():<21} {n}")
         lines += [
             f"  reconciling left      {self.reconciling_left}",
+            f"  needs a person        {self.needs_person}"
+            + (
+                ""
+                if self.vouching
+                else "  (the adapter cannot vouch for 'not found': expected for unprocessed calls)"
+            ),
             f"  other open left       {self.open_left}"
             + ("" if settled_in_time else "  (the settle timeout ran out)"),
             f"  overruns              {self.overruns}  ({self.overrun_tokens} tokens)",
