@@ -21,13 +21,12 @@ from django.utils.safestring import SafeString
 
 from budgeting.backoffice.account_display import (
     available_figure,
-    compact,
     dimensions,
-    figure,
     limit_rows,
     limit_warnings,
     usage_bar,
 )
+from budgeting.backoffice.formats import CountField, compact, count, signed
 from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     ReasonForm,
@@ -36,31 +35,33 @@ from budgeting.backoffice.kit import (
     actor,
     admin_page,
     change_url,
+    figure_column,
     link,
     recent_changes,
     require,
     two_step_page,
 )
+from budgeting.backoffice.reports.spend import RUN_RATE_DAYS, account_spend
 from budgeting.catalog.models import TemporaryIncrease
 from ledger.models import CapacityAccount, LedgerEntry
 from ledger.periods import period_start_for
 from ledger.services import limits
 
 
-class OptionalInt(forms.IntegerField):
-    """An optional non-negative integer limit; empty means unlimited."""
+class OptionalLimit(CountField):
+    """An optional non-negative limit, typed with or without separators; empty means unlimited."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(required=False, min_value=0, **kwargs)
 
 
 class LimitsForm(StepForm):
-    input_limit = OptionalInt(label="Input tokens per period")
-    output_limit = OptionalInt(label="Output tokens per period")
-    concurrency_limit = OptionalInt(label="Concurrent requests")
-    expected_input = OptionalInt(widget=forms.HiddenInput)
-    expected_output = OptionalInt(widget=forms.HiddenInput)
-    expected_concurrency = OptionalInt(widget=forms.HiddenInput)
+    input_limit = OptionalLimit(label="Input tokens per period")
+    output_limit = OptionalLimit(label="Output tokens per period")
+    concurrency_limit = OptionalLimit(label="Concurrent requests")
+    expected_input = OptionalLimit(widget=forms.HiddenInput)
+    expected_output = OptionalLimit(widget=forms.HiddenInput)
+    expected_concurrency = OptionalLimit(widget=forms.HiddenInput)
     acknowledge = forms.BooleanField(
         required=False, label="I understand that new requests will be refused on this account"
     )
@@ -68,9 +69,9 @@ class LimitsForm(StepForm):
 
 
 class IncreaseForm(StepForm):
-    input_tokens = forms.IntegerField(min_value=0, label="Extra input tokens")
-    output_tokens = forms.IntegerField(min_value=0, label="Extra output tokens")
-    concurrency = forms.IntegerField(min_value=0, label="Extra concurrent requests")
+    input_tokens = CountField(min_value=0, label="Extra input tokens")
+    output_tokens = CountField(min_value=0, label="Extra output tokens")
+    concurrency = CountField(min_value=0, label="Extra concurrent requests")
     expires_at = forms.DateTimeField(
         label="Expires at (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
@@ -79,7 +80,7 @@ class IncreaseForm(StepForm):
     def clean_expires_at(self) -> datetime:
         value: datetime = self.cleaned_data["expires_at"]
         if value <= timezone.now():
-            raise forms.ValidationError("must be in the future")
+            raise forms.ValidationError("The expiry must be in the future.")
         return value
 
     def clean(self) -> dict[str, Any]:
@@ -90,8 +91,8 @@ class IncreaseForm(StepForm):
 
 
 class CorrectionForm(StepForm):
-    input_consumed = forms.IntegerField(label="Input consumed (±tokens)")
-    output_consumed = forms.IntegerField(label="Output consumed (±tokens)")
+    input_consumed = CountField(label="Input consumed (± tokens)")
+    output_consumed = CountField(label="Output consumed (± tokens)")
     field_order = ["input_consumed", "output_consumed", "reason"]
 
     def clean(self) -> dict[str, Any]:
@@ -101,23 +102,15 @@ class CorrectionForm(StepForm):
         return data
 
 
-def _compact_column(field: str) -> Callable[[Any, CapacityAccount], SafeString]:
-    """A list column showing one balance of the account, compacted, sortable by it."""
-
-    def column(model_admin: Any, obj: CapacityAccount) -> SafeString:
-        return compact(getattr(obj, field))
-
-    return admin.display(description=field.replace("_", " "), ordering=field)(column)
-
-
 def _available_column(dimension: str) -> Callable[[Any, CapacityAccount], SafeString]:
     """A list column showing what is left of a dimension's limit for new requests."""
 
     def column(model_admin: Any, obj: CapacityAccount) -> SafeString:
         used = getattr(obj, f"{dimension}_reserved") + getattr(obj, f"{dimension}_consumed")
-        return available_figure(getattr(obj, f"{dimension}_limit"), used, narrow=True)
+        left = available_figure(getattr(obj, f"{dimension}_limit"), used, narrow=True)
+        return format_html('<div class="tb-num">{}</div>', left)
 
-    return admin.display(description=f"{dimension} available")(column)
+    return admin.display(description=f"{dimension} available (tokens)")(column)
 
 
 @admin.register(CapacityAccount)
@@ -141,13 +134,13 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
     change_list_template = "admin/tokenbudget/wide_change_list.html"
     fields = ["scope", "tenant", "task_class", "pool", "period", "period_start", "updated_at"]
 
-    input_limit_col = _compact_column("input_limit")
-    input_reserved_col = _compact_column("input_reserved")
-    input_consumed_col = _compact_column("input_consumed")
+    input_limit_col = figure_column("input_limit", "input limit (tokens)", compact)
+    input_reserved_col = figure_column("input_reserved", "input reserved (tokens)", compact)
+    input_consumed_col = figure_column("input_consumed", "input consumed (tokens)", compact)
     input_available = _available_column("input")
-    output_limit_col = _compact_column("output_limit")
-    output_reserved_col = _compact_column("output_reserved")
-    output_consumed_col = _compact_column("output_consumed")
+    output_limit_col = figure_column("output_limit", "output limit (tokens)", compact)
+    output_reserved_col = figure_column("output_reserved", "output reserved (tokens)", compact)
+    output_consumed_col = figure_column("output_consumed", "output consumed (tokens)", compact)
     output_available = _available_column("output")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[CapacityAccount]:
@@ -164,9 +157,11 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             " · roll-over pending" if stale else "",
         )
 
-    @admin.display(description="in flight", ordering="in_flight")
-    def in_flight_col(self, obj: CapacityAccount) -> str:
-        return f"{obj.in_flight:,} / {figure(obj.concurrency_limit)}"
+    @admin.display(description="requests in flight / limit", ordering="in_flight")
+    def in_flight_col(self, obj: CapacityAccount) -> SafeString:
+        return format_html(
+            '<div class="tb-num">{} / {}</div>', count(obj.in_flight), count(obj.concurrency_limit)
+        )
 
     @admin.display(description="usage")
     def usage(self, obj: CapacityAccount) -> SafeString:
@@ -186,6 +181,8 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             .select_related("reservation")
             .order_by("-id")[:25],
             "changes": recent_changes(obj),
+            "spend": account_spend(obj, timezone.now()),
+            "run_rate_days": RUN_RATE_DAYS,
             "can_edit_limits": request.user.has_perm("ledger.change_capacityaccount"),
             "can_increase": request.user.has_perm("budgeting.add_temporaryincrease"),
             "can_correct": request.user.has_perm("ledger.add_ledgerentry"),
@@ -260,13 +257,13 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             rows: list[Row] = []
             warnings = []
             for name, limit, extra in (
-                ("input limit", account.input_limit, data["input_tokens"]),
-                ("output limit", account.output_limit, data["output_tokens"]),
-                ("concurrency limit", account.concurrency_limit, data["concurrency"]),
+                ("input limit (tokens)", account.input_limit, data["input_tokens"]),
+                ("output limit (tokens)", account.output_limit, data["output_tokens"]),
+                ("concurrency limit (requests)", account.concurrency_limit, data["concurrency"]),
             ):
                 if extra and limit is None:
                     warnings.append(f"{name} is unlimited: there is nothing to increase.")
-                rows.append((name, figure(limit), figure(None if limit is None else limit + extra), False))
+                rows.append((name, count(limit), count(None if limit is None else limit + extra), False))
             rows.append(("until", "", f"{data['expires_at']:%Y-%m-%d %H:%M} UTC", False))
             return rows, warnings
 
@@ -306,8 +303,13 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             new_output = account.output_consumed + data["output_consumed"]
             warnings = ["A consumed balance would go negative."] if min(new_input, new_output) < 0 else []
             return [
-                ("input consumed", figure(account.input_consumed), figure(new_input), new_input < 0),
-                ("output consumed", figure(account.output_consumed), figure(new_output), new_output < 0),
+                ("input consumed (tokens)", count(account.input_consumed), count(new_input), new_input < 0),
+                (
+                    "output consumed (tokens)",
+                    count(account.output_consumed),
+                    count(new_output),
+                    new_output < 0,
+                ),
             ], warnings
 
         def apply(data: dict[str, Any]) -> str:
@@ -343,9 +345,9 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
 
     list_display = [
         "account_link",
-        "input_tokens",
-        "output_tokens",
-        "concurrency",
+        "input_col",
+        "output_col",
+        "concurrency_col",
         "starts_at",
         "expires_at",
         "status",
@@ -360,6 +362,18 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
     @admin.display(description="account")
     def account_link(self, obj: TemporaryIncrease) -> str:
         return link(change_url(obj.account), obj.account)
+
+    @admin.display(description="extra input tokens", ordering="input_tokens")
+    def input_col(self, obj: TemporaryIncrease) -> str:
+        return signed(obj.input_tokens)
+
+    @admin.display(description="extra output tokens", ordering="output_tokens")
+    def output_col(self, obj: TemporaryIncrease) -> str:
+        return signed(obj.output_tokens)
+
+    @admin.display(description="extra concurrent requests", ordering="concurrency")
+    def concurrency_col(self, obj: TemporaryIncrease) -> str:
+        return signed(obj.concurrency)
 
     @admin.display(description="status")
     def status(self, obj: TemporaryIncrease) -> str:

@@ -1,5 +1,5 @@
-"""How a capacity account's figures are shown: numbers, usage bars, the per-dimension table and the rows and
-warnings of a limit change's preview."""
+"""How a capacity account's figures are shown: what is available, usage bars, the per-dimension table and the
+rows and warnings of a limit change's preview (numbers written by ``formats``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from budgeting.backoffice.formats import compact, count
 from budgeting.backoffice.kit import Row
 from ledger.models import CapacityAccount
 from ledger.services.limits import DimensionPreview
@@ -15,26 +16,14 @@ from ledger.services.limits import DimensionPreview
 WARN_AT = 0.8
 
 
-def figure(value: int | None) -> str:
-    """A limit or balance with thousands separators; no limit is "∞"."""
-    return "∞" if value is None else f"{value:,}"
-
-
-def compact(value: int | None) -> SafeString:
-    """Millions as "99.99 M" for the list's narrow columns; the exact figure is in the tooltip."""
-    if value is None or abs(value) < 1_000_000:
-        return format_html("{}", figure(value))
-    return format_html('<span title="{}">{} M</span>', f"{value:,}", f"{value / 1_000_000:,.2f}")
-
-
 def available_figure(limit: int | None, used: int, *, narrow: bool = False) -> SafeString:
     """What is left for new requests; negative (over the limit) in red."""
     if limit is None:
-        return format_html("{}", "∞")
+        return format_html("{}", count(None))
     left = limit - used
     if left < 0:
-        return format_html('<span class="tb-neg" title="over the limit">{}</span>', f"{left:,}")
-    return compact(left) if narrow else format_html("{}", f"{left:,}")
+        return format_html('<span class="tb-neg" title="over the limit">{}</span>', count(left))
+    return compact(left) if narrow else format_html("{}", count(left))
 
 
 def _share(used: int, limit: int | None) -> float | None:
@@ -54,8 +43,8 @@ def usage_bar(label: str, used: int, limit: int | None) -> SafeString:
         '<span style="width:{}%"></span><em>{} {}%</em></div>',
         level,
         label,
-        figure(used),
-        figure(limit),
+        count(used),
+        count(limit),
         f"{min(share, 1.0) * 100:.1f}",
         label,
         f"{share * 100:.0f}",
@@ -79,19 +68,19 @@ class Dimension:
 
     @property
     def limit_text(self) -> str:
-        return figure(self.limit)
+        return count(self.limit)
 
     @property
     def reserved_text(self) -> str:
-        return figure(self.reserved)
+        return count(self.reserved)
 
     @property
     def consumed_text(self) -> str:
-        return figure(self.consumed)
+        return count(self.consumed)
 
     @property
     def used_text(self) -> str:
-        return figure(self.used)
+        return count(self.used)
 
 
 def dimensions(account: CapacityAccount) -> list[Dimension]:
@@ -112,12 +101,12 @@ def dimensions(account: CapacityAccount) -> list[Dimension]:
 def limit_rows(dims: list[DimensionPreview]) -> list[Row]:
     rows: list[Row] = []
     for d in dims:
-        rows.append((f"{d.name} limit", figure(d.old_limit), figure(d.new_limit), False))
+        rows.append((f"{d.name} limit", count(d.old_limit), count(d.new_limit), False))
         rows.append(
             (
-                f"{d.name} available (in use {d.used:,})",
-                figure(d.old_available),
-                figure(d.new_available),
+                f"{d.name} available (in use {count(d.used)})",
+                count(d.old_available),
+                count(d.new_available),
                 d.below_use,
             )
         )
@@ -126,8 +115,8 @@ def limit_rows(dims: list[DimensionPreview]) -> list[Row]:
 
 def limit_warnings(dims: list[DimensionPreview]) -> list[str]:
     return [
-        f"The new {d.name} limit ({d.new_limit:,}) is below current use ({d.used:,}): new requests will be "
-        "refused on this account until usage falls or the period rolls over."
+        f"The new {d.name} limit ({count(d.new_limit)}) is below current use ({count(d.used)}): new requests "
+        "will be refused on this account until usage falls or the period rolls over."
         for d in dims
         if d.below_use and d.changed and d.new_limit is not None
     ]

@@ -15,19 +15,32 @@ from django import forms
 from django.contrib import admin, messages
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.defaultfilters import pluralize
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting.backoffice.kit import ReadOnlyAdmin, ReasonForm, actor, change_url, confirm_page, link, require
+from budgeting.backoffice.formats import count, signed
+from budgeting.backoffice.kit import (
+    ReadOnlyAdmin,
+    ReasonForm,
+    actor,
+    change_url,
+    confirm_page,
+    figure_column,
+    link,
+    require,
+)
 from budgeting.backoffice.reservation_admin import link_to_reservation
 from budgeting.catalog.changes import record_change
 from ledger.models import Reservation
 from reconciliation import billing
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
+from reconciliation.providers.exports import EXPORT_FORMAT_CHOICES
 
 MAX_EXPORT_BYTES = 50 * 1024 * 1024
+FORMAT_LABELS = dict(EXPORT_FORMAT_CHOICES)
 
 # The findings the imports list counts, by the annotation that holds the count.
 FINDING_COUNTS = {
@@ -38,27 +51,36 @@ FINDING_COUNTS = {
 }
 
 
-def _count_column(annotation: str, title: str) -> Callable[[Any, BillingImport], int]:
-    """A list column showing one of the import's finding counts, sortable by it."""
-
-    def column(model_admin: Any, obj: BillingImport) -> int:
-        return int(getattr(obj, annotation))
-
-    return admin.display(description=title, ordering=annotation)(column)
-
-
 class ImportForm(ReasonForm):
     export = forms.FileField(
         label="Billing export", help_text="The provider's export, as downloaded (UTF-8)."
     )
-    fmt = forms.ChoiceField(label="Format", choices=[("csv", "CSV"), ("jsonl", "JSON lines")])
+    fmt = forms.ChoiceField(label="Format", choices=EXPORT_FORMAT_CHOICES)
     field_order = ["export", "fmt", "reason"]
 
     def clean_export(self) -> Any:
         upload = self.cleaned_data["export"]
         if upload.size > MAX_EXPORT_BYTES:
-            raise forms.ValidationError(f"at most {MAX_EXPORT_BYTES // (1024 * 1024)} MB")
+            raise forms.ValidationError(
+                f"The file is too large: an export can be at most {MAX_EXPORT_BYTES // (1024 * 1024)} MB."
+            )
         return upload
+
+
+def import_sentence(billing_import: BillingImport) -> str:
+    """An import's result in words: "Imported sample.csv: 12 records, 3 reservations settled, 2 findings
+    (1 missing, 1 mismatch)."."""
+    counts: dict[str, int] = {}
+    for kind in billing_import.findings.values_list("kind", flat=True):
+        counts[kind] = counts.get(kind, 0) + 1
+    findings = ", ".join(f"{count(n)} {kind.lower().replace('_', ' ')}" for kind, n in sorted(counts.items()))
+    total = sum(counts.values())
+    return (
+        f"Imported {billing_import.source}: {count(billing_import.records)} record"
+        f"{pluralize(billing_import.records)}, {count(billing_import.settled)} reservation"
+        f"{pluralize(billing_import.settled)} settled, "
+        + (f"{count(total)} finding{pluralize(total)} ({findings})." if total else "no findings.")
+    )
 
 
 @admin.register(BillingImport)
@@ -66,7 +88,7 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
     list_display = [
         "imported_at",
         "source",
-        "fmt",
+        "format_label",
         "records",
         "settled",
         "duplicates",
@@ -81,22 +103,24 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
     date_hierarchy = "imported_at"
     fields = [
         "source",
-        "fmt",
+        "format_label",
         "content_sha256",
-        "records",
-        "settled",
-        "findings_count",
         "period_start",
         "period_end",
         "imported_at",
     ]
+    readonly_fields = ["format_label"]
     change_form_template = "admin/reconciliation/billingimport/change_form.html"
     change_list_template = "admin/reconciliation/billingimport/change_list.html"
 
-    duplicates = _count_column("n_duplicates", "duplicates")
-    missing = _count_column("n_missing", "missing")
-    mismatches = _count_column("n_mismatches", "mismatches")
-    drifting_buckets = _count_column("n_drifting", "drifting buckets")
+    duplicates = figure_column("n_duplicates", "duplicates")
+    missing = figure_column("n_missing", "missing")
+    mismatches = figure_column("n_mismatches", "mismatches")
+    drifting_buckets = figure_column("n_drifting", "drifting buckets")
+
+    @admin.display(description="format", ordering="fmt")
+    def format_label(self, obj: BillingImport) -> str:
+        return FORMAT_LABELS.get(obj.fmt, obj.fmt)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[BillingImport]:
         counts = {
@@ -108,6 +132,12 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
     def page_context(self, request: HttpRequest, obj: BillingImport) -> dict[str, Any]:
         findings = obj.findings.all()
         return {
+            "result": import_sentence(obj),
+            "finding_counts": [
+                (label, sum(1 for f in findings if f.kind == kind))
+                for kind, label in FindingKind.choices
+                if any(f.kind == kind for f in findings)
+            ],
             "buckets": obj.buckets.all(),
             "findings_by_kind": [
                 (label, [f for f in findings if f.kind == kind])
@@ -129,7 +159,9 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
             try:
                 text = upload.read().decode("utf-8")
             except UnicodeDecodeError:
-                form.add_error("export", "the file is not UTF-8 text")
+                form.add_error(
+                    "export", "The file is not UTF-8 text: export it again as UTF-8 (CSV or JSON)."
+                )
             else:
                 result = billing.import_export(
                     text=text, fmt=form.cleaned_data["fmt"], source=upload.name, now=timezone.now()
@@ -145,9 +177,11 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
                         after=result.summary(),
                         reason=form.cleaned_data["reason"],
                     )
-                    messages.success(request, f"Imported {upload.name}: {result.summary()}")
+                    messages.success(request, import_sentence(result.billing_import))
                 else:
-                    messages.warning(request, f"{upload.name} was imported before; nothing changed.")
+                    messages.warning(
+                        request, f"{upload.name} was imported before (same content); nothing changed."
+                    )
                 return HttpResponseRedirect(change_url(result.billing_import))
         return confirm_page(
             request,
@@ -181,21 +215,26 @@ class BucketDriftAdmin(ReadOnlyAdmin[BucketDrift]):
         "bucket_end",
         "model",
         "api_key_id",
-        "billed_input",
-        "captured_input",
+        "billed_input_col",
+        "captured_input_col",
         "input_drift",
-        "billed_output",
-        "captured_output",
+        "billed_output_col",
+        "captured_output_col",
         "output_drift",
     ]
     list_filter = ["model", "billing_import"]
     date_hierarchy = "bucket_start"
 
-    @admin.display(description="input drift")
+    billed_input_col = figure_column("billed_input", "billed input tokens")
+    captured_input_col = figure_column("captured_input", "captured input tokens")
+    billed_output_col = figure_column("billed_output", "billed output tokens")
+    captured_output_col = figure_column("captured_output", "captured output tokens")
+
+    @admin.display(description="input drift (tokens)")
     def input_drift(self, obj: BucketDrift) -> SafeString:
         return _drift(obj.drift_input)
 
-    @admin.display(description="output drift")
+    @admin.display(description="output drift (tokens)")
     def output_drift(self, obj: BucketDrift) -> SafeString:
         return _drift(obj.drift_output)
 
@@ -203,7 +242,7 @@ class BucketDriftAdmin(ReadOnlyAdmin[BucketDrift]):
 def _drift(value: int) -> SafeString:
     if value == 0:
         return format_html("{}", 0)
-    return format_html('<span class="tb-neg">{}</span>', f"{value:+,}")
+    return format_html('<span class="tb-neg">{}</span>', signed(value))
 
 
 @admin.register(BilledRequest)
@@ -211,14 +250,17 @@ class BilledRequestAdmin(ReadOnlyAdmin[BilledRequest]):
     list_display = [
         "provider_request_id",
         "model",
-        "input_tokens",
-        "output_tokens",
+        "input_col",
+        "output_col",
         "start_time",
         "reservation",
     ]
     list_filter = ["model", "billing_import"]
     search_fields = ["=provider_request_id"]
     date_hierarchy = "start_time"
+
+    input_col = figure_column("input_tokens", "input tokens")
+    output_col = figure_column("output_tokens", "output tokens")
 
     @admin.display(description="reservation")
     def reservation(self, obj: BilledRequest) -> SafeString | str:

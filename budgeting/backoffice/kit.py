@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+from uuid import UUID
 
 from django import forms
 from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import NON_FIELD_ERRORS, PermissionDenied, ValidationError
 from django.db import models
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.forms.models import ModelForm
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
@@ -23,6 +24,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from budgeting.backoffice.formats import count
 from budgeting.catalog import policies as policy_services
 from budgeting.catalog.changes import Actor, record_change, snapshot
 from budgeting.catalog.errors import DomainError
@@ -77,6 +79,18 @@ def changelist_url(model: type[models.Model]) -> str:
 
 def link(url: str, text: object) -> SafeString:
     return format_html('<a href="{}">{}</a>', url, text)
+
+
+def figure_column(
+    field: str, title: str, show: Callable[[Any], str] = count, *, ordering: str | None = None
+) -> Callable[[Any, Any], SafeString]:
+    """A list column showing a number of the row (a field or an annotation) as people read it (``show``:
+    ``formats.count`` by default, or ``signed``, ``compact``), right-aligned, sortable by it."""
+
+    def column(model_admin: Any, obj: Any) -> SafeString:
+        return format_html('<div class="tb-num">{}</div>', show(getattr(obj, field)))
+
+    return admin.display(description=title, ordering=ordering or field)(column)
 
 
 def recent_changes(obj: models.Model, limit: int = 20) -> QuerySet[ChangeRecord]:
@@ -230,7 +244,7 @@ class KitAdmin(admin.ModelAdmin[M]):
             *super().get_urls(),
         ]
 
-    def object_or_403(self, request: HttpRequest, object_id: int) -> M:
+    def object_or_403(self, request: HttpRequest, object_id: int | UUID) -> M:
         """The object a page of this admin is about; 403 when it does not exist or the user may not see it."""
         obj = self.get_object(request, str(object_id))
         if obj is None:
@@ -255,12 +269,86 @@ class ReadOnlyAdmin(ReadOnly, KitAdmin[M]):
     """A read-only admin (see ``ReadOnly``)."""
 
 
+# What the database's check constraints mean, for the people who break them in a form: Django reports a
+# violated CheckConstraint by its name ("Constraint “price_currency_iso” is violated.") and on no field, so
+# AuditedForm puts these words on the field the rule is about instead.
+CONSTRAINT_WORDS: dict[str, tuple[str, str]] = {
+    "price_currency_iso": ("currency", "Currency must be a three-letter ISO code, e.g. USD."),
+    "price_non_negative": ("input_per_million", "Prices cannot be negative."),
+    "taskclass_input_cap_positive": ("input_cap", "The input cap must be at least 1 token."),
+    "taskclass_output_cap_positive": ("max_output_cap", "The output cap must be at least 1 token."),
+    "taskclass_ramp_percent_le_100": ("ramp_percent", "The ramp is a share of traffic: at most 100 (%)."),
+    "modelpool_adapter_of_its_provider": (
+        "adapter",
+        "This adapter does not belong to the pool's provider: choose one of that provider's adapters.",
+    ),
+    "tokenizer_digest_format": ("digest", "The digest must be sha256: followed by 64 hexadecimal digits."),
+    "modelrevision_window_positive": ("context_window", "The context window must be at least 1 token."),
+    "modelrevision_max_output_positive": ("max_output", "The maximum output must be at least 1 token."),
+    "alert_thresholds_ordered": (
+        "critical_percent",
+        "The critical threshold must be above the warning one (warning at least 1 %, critical at most "
+        "1000 %).",
+    ),
+    "modelrevision_output_below_window": (
+        "max_output",
+        "The maximum output must be smaller than the context window.",
+    ),
+}
+UNNAMED_RULE = "This value breaks a rule of the catalog; check it against the field's help text."
+
+
+def constraint_fields(constraint: models.BaseConstraint) -> list[str]:
+    """The model fields a check constraint's condition names (``max_output__lt`` names ``max_output``)."""
+    names: list[str] = []
+    pending: list[Any] = [getattr(constraint, "condition", None)]
+    while pending:
+        node = pending.pop(0)
+        if isinstance(node, Q):
+            pending.extend(node.children)
+        elif isinstance(node, tuple):
+            names.append(str(node[0]).split("__")[0])
+    return list(dict.fromkeys(names))
+
+
 class AuditedForm(ModelForm):
     change_reason = forms.CharField(
         label="Reason for this change",
         widget=forms.Textarea(attrs={"rows": 2, "cols": 60}),
         help_text="Recorded in the change log with your name, the time, and the values before and after.",
     )
+
+    def _update_errors(self, errors: ValidationError) -> None:
+        # The one place ModelForm takes the model's validation errors in (not in django-stubs, hence the
+        # ignore); constraint names become words here.
+        super()._update_errors(self._in_words(errors))  # type: ignore[misc]
+
+    def _in_words(self, errors: ValidationError) -> ValidationError:
+        """``errors`` with every check-constraint violation moved to its field, in words."""
+        if not hasattr(errors, "error_dict"):
+            return errors
+        by_field = {name: list(items) for name, items in errors.error_dict.items()}
+        general = []
+        # A violation carries only its message, made from the constraint's name.
+        constraints = {
+            c.get_violation_error_message(): c
+            for c in self._meta.model._meta.constraints
+            if isinstance(c, models.CheckConstraint)
+        }
+        for error in by_field.pop(NON_FIELD_ERRORS, []):
+            constraint = constraints.get(str(error.message))
+            if constraint is None:
+                general.append(error)
+                continue
+            field, words = CONSTRAINT_WORDS.get(constraint.name, ("", UNNAMED_RULE))
+            field = field or next((f for f in constraint_fields(constraint) if f in self.fields), "")
+            if field in self.fields:
+                by_field.setdefault(field, []).append(ValidationError(words, code="constraint"))
+            else:
+                general.append(ValidationError(words, code="constraint"))
+        if general:
+            by_field[NON_FIELD_ERRORS] = general
+        return ValidationError(by_field)
 
 
 class AuditedAdmin(KitAdmin[M]):

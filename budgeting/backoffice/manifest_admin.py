@@ -1,4 +1,5 @@
-"""The manifests' admin: each admission's record (read-only), its replay, and the usage report page."""
+"""The manifests' admin: each admission's record (read-only), its replay, and the usage report and tenant
+spend pages."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404
 from django.urls import URLPattern, path
 
 from budgeting.admission.models import Manifest
 from budgeting.admission.replay import replay_manifest
 from budgeting.backoffice.kit import ReadOnlyAdmin, admin_context, admin_page, require
 from budgeting.backoffice.models import UsageReport
-from budgeting.backoffice.reports.views import report_page
+from budgeting.backoffice.reports.views import report_page, tenant_spend_page
+from budgeting.catalog.models import Tenant
 
 
 def manifest_context(manifest: Manifest) -> dict[str, Any]:
@@ -125,6 +128,16 @@ class UsageReportAdmin(ReadOnlyAdmin[UsageReport]):
             raise PermissionDenied
         return report_page(request, {**admin_context(request, self), **(extra_context or {})})
 
+    def tenant_view(self, request: HttpRequest, slug: str) -> HttpResponse:
+        """A tenant's spend this month, by model revision and task class."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        tenant = get_object_or_404(Tenant, slug=slug)
+        return tenant_spend_page(request, admin_context(request, self), tenant)
+
     def get_urls(self) -> list[URLPattern]:
         wrap = self.admin_site.admin_view
-        return [path("", wrap(self.changelist_view), name="budgeting_usagereport_changelist")]
+        return [
+            path("", wrap(self.changelist_view), name="budgeting_usagereport_changelist"),
+            path("tenant/<str:slug>/", wrap(self.tenant_view), name="budgeting_usagereport_tenant"),
+        ]

@@ -4,11 +4,13 @@ compensating corrections; every change in the change log, balances always the su
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 from django.db import IntegrityError, InternalError, connection, transaction
 from django.urls import reverse
 
+from budgeting.backoffice.reports.spend import RUN_RATE_DAYS, account_spend, spend
 from budgeting.catalog.changes import SYSTEM, Actor
 from budgeting.catalog.errors import InvalidChange
 from budgeting.catalog.models import ChangeRecord, PolicyState, PolicyVersion, TemporaryIncrease
@@ -253,3 +255,51 @@ def test_the_change_log_and_validated_policies_cannot_be_edited_in_the_database(
     with connection.cursor() as cursor:
         cursor.execute("SELECT reason FROM budgeting_changerecord WHERE id = %s", [record.pk])
         assert cursor.fetchone()[0] == "r"
+
+
+def test_limit_inputs_accept_thousands_separators_and_show_them_back(users, scenario):
+    account = tenant_acc(scenario)
+    finance = login("finance")
+    assert 'value="1,000,000"' in finance.get(limits_url(account)).content.decode()
+    preview = finance.post(limits_url(account), form(account, "edit", input_limit="12,000,000"))
+    html = preview.content.decode()
+    assert "What changes" in html and "12,000,000" in html
+    finance.post(limits_url(account), form(account, "confirm", input_limit="12,000,000"))
+    assert CapacityAccount.objects.get(pk=account.pk).input_limit == 12_000_000
+
+
+def test_a_limit_that_is_not_a_whole_number_is_refused_on_its_field(users, scenario):
+    account = tenant_acc(scenario)
+    html = (
+        login("finance")
+        .post(limits_url(account), form(account, "edit", input_limit="12 million"))
+        .content.decode()
+    )
+    assert "Enter a whole number, e.g. 12,000,000." in html
+    assert "What changes" not in html
+
+
+def test_account_page_shows_cost_to_date_a_projection_and_signed_movements(users, scenario):
+    account = tenant_acc(scenario)
+    html = (
+        login("finance")
+        .get(reverse("admin:ledger_capacityaccount_change", args=[account.pk]))
+        .content.decode()
+    )
+    # 5,010 input tokens at $3 and 310 output tokens at $15 per 1M tokens: $0.01968.
+    assert 'id="tb-cost-to-date"' in html and "$0.02" in html
+    assert "projected for" in html
+    assert "+1,000" in html and "-1,000" in html  # the full request's hold, then its post
+    assert "input tokens" in html and "concurrent requests" in html
+
+
+def test_spend_projects_the_recent_rate_to_the_end_of_the_month(scenario):
+    moment = datetime.now(UTC)
+    result = spend(now=moment, tenant=scenario.tenant.slug)
+    assert result.to_date == {"USD": Decimal("0.019680")}
+    assert result.requests == 5 and result.unpriced_requests == 0
+    left = Decimal((result.month_end - moment).total_seconds()) / Decimal(RUN_RATE_DAYS * 86400)
+    assert result.projected == {"USD": (Decimal("0.019680") * (1 + left)).quantize(Decimal("0.000001"))}
+    pool = account_spend(CapacityAccount.objects.get(scope=Scope.POOL, pool=scenario.pool), moment)
+    assert pool.to_date == result.to_date
+    assert spend(now=moment, tenant="t-nobody").to_date == {}

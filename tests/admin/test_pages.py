@@ -5,24 +5,30 @@ from __future__ import annotations
 
 import hashlib
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
+from django.conf import settings
+from django.contrib import admin
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import models
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from budgeting.backoffice.kit import CONSTRAINT_WORDS, AuditedAdmin, constraint_fields
 from budgeting.catalog.changes import Actor
 from budgeting.catalog.models import (
     ApiToken,
     ChangeRecord,
+    ModelRevision,
     ServiceClient,
     TemporaryIncrease,
     Tenant,
     Tokenizer,
 )
 from ledger.models import CapacityAccount, Reservation, Scope, State
-from ledger.services import limits
+from ledger.services import limits, settlement
 from reconciliation.models import BillingFinding, BillingImport, FindingKind
 from tests.admin.conftest import login
 from tests.factories import ServiceClientFactory, issue_token
@@ -256,3 +262,145 @@ def test_change_record_page_shows_before_and_after(users, scenario):
     html = page(login("finance"), "budgeting_changerecord_change", record.pk)
     assert f"<td>{account.input_consumed}</td><td>{account.input_consumed - 5}</td>" in html
     assert "refund" in html
+
+
+def test_a_broken_catalog_rule_is_shown_on_its_field_in_words(users, scenario):
+    finance = login("finance")
+    body = {
+        "model_revision": scenario.model.pk,
+        "effective_from_0": "2026-12-01",
+        "effective_from_1": "00:00:00",
+        "currency": "usd",
+        "input_per_million": "0.27",
+        "output_per_million": "1.10",
+        "note": "",
+        "change_reason": "December prices",
+    }
+    response = finance.post(reverse("admin:budgeting_price_add"), body)
+    html = response.content.decode()
+    assert response.status_code == 200
+    assert "Currency must be a three-letter ISO code, e.g. USD." in html
+    assert "price_currency_iso" not in html and "Constraint" not in html
+    errors = response.context["adminform"].form.errors
+    assert errors["currency"] == ["Currency must be a three-letter ISO code, e.g. USD."]
+    assert finance.post(reverse("admin:budgeting_price_add"), {**body, "currency": "USD"}).status_code == 302
+
+
+def test_every_check_constraint_of_a_form_edited_model_has_words(users):
+    audited = [m for m, a in admin.site._registry.items() if isinstance(a, AuditedAdmin)]
+    unnamed = [
+        constraint.name
+        for model in audited
+        for constraint in model._meta.constraints
+        if isinstance(constraint, models.CheckConstraint) and constraint.name not in CONSTRAINT_WORDS
+    ]
+    assert unnamed == []
+    below = next(c for c in ModelRevision._meta.constraints if c.name == "modelrevision_output_below_window")
+    assert constraint_fields(below) == ["max_output"]
+
+
+def test_the_billing_import_answers_with_a_sentence_and_a_table(users, scenario):
+    unknown = scenario.reservations["unknown"]
+    export = (
+        "request_id,model,input_tokens,output_tokens,start_time\n"
+        f"{unknown.provider_request_id},{scenario.model.name},700,40,2026-11-30T05:00:00+00:00\n"
+        "prov-elsewhere,m,10,2,2026-11-30T05:00:00+00:00\n"
+    )
+    finance = login("finance")
+    response = finance.post(
+        reverse("admin:reconciliation_billingimport_upload"),
+        {
+            "export": SimpleUploadedFile("nov.csv", export.encode(), content_type="text/csv"),
+            "fmt": "csv",
+            "reason": "November export",
+        },
+        follow=True,
+    )
+    html = response.content.decode()
+    message = next(str(m) for m in response.context["messages"])
+    assert message.startswith("Imported nov.csv: 2 records, 1 reservation settled, ")
+    assert "{" not in message and "'" not in message
+    assert 'id="tb-import-result"' in html and "records read" in html
+    assert "Fmt" not in html and "CSV (per request or per bucket)" in html
+    assert "Fmt" not in page(finance, "reconciliation_billingimport_changelist")
+
+
+def test_the_sample_billing_export_in_the_repository_is_accepted(users, scenario):
+    sample = Path(settings.BASE_DIR) / "budgeting" / "demo" / "billing-sample.csv"
+    response = login("finance").post(
+        reverse("admin:reconciliation_billingimport_upload"),
+        {
+            "export": SimpleUploadedFile(sample.name, sample.read_bytes(), content_type="text/csv"),
+            "fmt": "csv",
+            "reason": "try the sample",
+        },
+        follow=True,
+    )
+    billing_import = BillingImport.objects.get()
+    assert billing_import.records > 0
+    assert not billing_import.findings.filter(kind=FindingKind.BAD_LINE).exists()
+    assert "Imported billing-sample.csv" in response.content.decode()
+
+
+def flag(reservation: Reservation) -> Reservation:
+    assert settlement.flag_for_person(
+        reservation_id=reservation.pk,
+        fence=reservation.fence,
+        reason="provider said not processed, but 40 output tokens were captured",
+        now=timezone.now(),
+    )
+    return Reservation.objects.get(pk=reservation.pk)
+
+
+def test_the_backlog_shows_reservations_needing_a_person_apart(users, scenario):
+    unknown = flag(scenario.reservations["unknown"])
+    html = page(login("finance"), "ledger_reservation_backlog")
+    people = html[html.index('id="tb-needs-person"') : html.index("Waiting for evidence")]
+    assert unknown.request_id in people and "40 output tokens were captured" in people
+    assert reverse("admin:ledger_reservation_resolve", args=[unknown.pk]) in people
+    assert "Nothing waits for evidence." in html
+    analyst = page(login("analyst"), "ledger_reservation_backlog")
+    assert unknown.request_id in analyst and "Resolve…" not in analyst
+    listing = page(login("finance"), "ledger_reservation_changelist")
+    assert "needs a person" in listing
+
+
+def test_finance_resolves_a_reservation_with_a_reason_through_a_confirmation(users, scenario):
+    unknown = flag(scenario.reservations["unknown"])
+    finance = login("finance")
+    url = reverse("admin:ledger_reservation_resolve", args=[unknown.pk])
+    assert "What happened to this call" in finance.get(url).content.decode()
+    body = {"step": "edit", "resolution": "NOT_PROCESSED", "reason": "provider confirmed: never ran"}
+    confirm = finance.post(url, body).content.decode()
+    assert "What changes" in confirm and "gives those tokens back" in confirm
+    assert Reservation.objects.get(pk=unknown.pk).state == State.RECONCILING
+    done = finance.post(url, {**body, "step": "confirm"})
+    assert done.status_code == 302
+    settled = Reservation.objects.get(pk=unknown.pk)
+    assert settled.state == State.SETTLED and settled.input_consumed == 0
+    record = ChangeRecord.objects.get(action="reservation.resolve.not_processed")
+    assert record.actor_username == "finance" and record.reason == "provider confirmed: never ran"
+    assert finance.get(url).status_code == 200  # the page still opens; the service refuses a second time
+    again = finance.post(url, {**body, "step": "confirm"}, follow=True).content.decode()
+    assert "only a RECONCILING reservation can be resolved" in again
+
+
+def test_a_billed_resolution_needs_both_amounts_on_their_fields(users, scenario):
+    unknown = flag(scenario.reservations["unknown"])
+    url = reverse("admin:ledger_reservation_resolve", args=[unknown.pk])
+    body = {"step": "edit", "resolution": "AS_BILLED", "input_tokens": "1,200", "reason": "invoice 7"}
+    response = login("finance").post(url, body)
+    assert response.context["form"].errors == {
+        "output_tokens": ["Give the amount the provider billed (0 if none)."]
+    }
+    assert login("analyst").get(url).status_code == 403
+
+
+def test_wide_lists_are_formatted_and_name_their_units(users, scenario):
+    finance = login("finance")
+    entries = page(finance, "ledger_ledgerentry_changelist").lower()
+    assert "+1,000" in entries and "-1,000" in entries and "input tokens reserved" in entries
+    reservations = page(finance, "ledger_reservation_changelist").lower()
+    assert "output tokens captured / held" in reservations and "2,000" in reservations
+    accounts = page(finance, "ledger_capacityaccount_changelist").lower()
+    assert "input limit (tokens)" in accounts and "1,000,000" in accounts

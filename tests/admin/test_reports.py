@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.contrib.staticfiles import finders
 from django.db.models import F, Sum
 from django.test import Client
 from django.utils import timezone
@@ -16,6 +18,7 @@ from django.utils import timezone
 from budgeting.admission.models import Manifest
 from budgeting.backoffice.reports.pricing import USAGE_COLUMNS
 from budgeting.backoffice.reports.query import parse_query
+from budgeting.backoffice.reports.selectors import requests_over_time
 from budgeting.catalog.models import Price
 from ledger.models import Reservation, State
 from tests.admin.conftest import login
@@ -165,12 +168,65 @@ def test_only_staff_sessions_with_a_report_role_may_read(users, cat):
     assert login("analyst").post(URL).status_code == 405
 
 
-def test_the_report_page_draws_its_charts_inline(users, scenario):
+def chart_spec(html: str, element_id: str) -> dict:
+    start = html.index(f'<script id="{element_id}" type="application/json">') + len(
+        f'<script id="{element_id}" type="application/json">'
+    )
+    return json.loads(html[start : html.index("</script>", start)])
+
+
+def test_the_report_page_draws_its_charts_with_the_vendored_library(users, scenario):
     html = login("analyst").get("/admin/budgeting/usagereport/").content.decode()
-    assert html.count("<svg") >= 3
-    assert "Requests per rung" in html and "Reconciling backlog by age" in html
+    assert "<svg class" not in html and html.count("<canvas data-tb-chart=") == 3
+    for script in (
+        "tokenbudget/vendor/chart.js-4.6.1/chart.umd.min.js",
+        "tokenbudget/vendor/chartjs-adapter-date-fns-3.0.0/chartjs-adapter-date-fns.bundle.min.js",
+        "tokenbudget/vendor/chartjs-plugin-datalabels-2.2.0/chartjs-plugin-datalabels.min.js",
+        "tokenbudget/charts.js",
+    ):
+        assert f'src="/static/{script}"' in html
+        assert finders.find(script), script
+    # No CDN: every script and stylesheet is ours.
+    assert "http://" not in html.split("</head>")[0] and "https://" not in html.split("</head>")[0]
+    rungs = chart_spec(html, "tb-chart-rungs")
+    assert rungs["timeUnit"] == "hour"  # the scenario's requests span minutes: hourly bars, not a month axis
+    assert len(rungs["labels"]) == 1
+    assert {s["label"]: sum(s["values"]) for s in rungs["series"]} == {
+        "FULL": 4,
+        "DEDUP_EVIDENCE": 1,
+        "TRIM_EVIDENCE": 1,
+        "QUEUE_OR_REJECT": 1,
+    }
+    assert "bytes / 4" in html  # the deviation histogram says what dominates it
     assert "format=csv" in html and "format=focus" in html
-    assert "http://" not in html.split("</head>")[1].replace("http://www.w3.org", "")
+
+
+def test_the_rung_chart_switches_to_days_when_the_requests_span_more_than_two_days(users, scenario):
+    old = scenario.manifests["shadow"]
+    Manifest.objects.filter(pk=old.pk).update(created_at=timezone.now() - timedelta(days=5))
+    unit, series = requests_over_time(parse_query({}, today=timezone.now().date()))
+    assert unit == "day"
+    assert len({row["at"] for row in series}) == 2  # only the days that have requests
+
+
+def test_the_report_page_writes_counts_and_money_for_people(users, scenario):
+    html = login("analyst").get("/admin/budgeting/usagereport/").content.decode()
+    assert "5,010" in html  # input tokens consumed
+    assert "$0.02" in html and "0.019680" not in html  # cost to the cent; exports keep the 6 decimals
+    assert "$3.00" in html and "per 1M tokens" in html
+
+
+def test_a_tenant_page_shows_spend_by_model_and_task_class(users, scenario):
+    url = f"/admin/budgeting/usagereport/tenant/{scenario.tenant.slug}/"
+    html = login("finance").get(url).content.decode()
+    assert "cost this month to date" in html and "projected for" in html
+    table = html[html.index('id="tb-spend-rows"') :]
+    assert scenario.model.name in table and scenario.task_class.slug in table
+    assert "5,010" in table and "$0.02" in table
+    assert login("finance").get("/admin/budgeting/usagereport/tenant/t-nobody/").status_code == 404
+    assert login("nobody").get(url).status_code == 403
+    tenant_page = login("finance").get(f"/admin/budgeting/tenant/{scenario.tenant.pk}/change/")
+    assert url in tenant_page.content.decode()
 
 
 def test_report_days_are_utc_calendar_days(users, scenario):

@@ -1,14 +1,12 @@
-"""The report's bar charts as geometry (requests per rung, input deviation, the RECONCILING backlog by age),
-drawn as inline SVG by ``templates/admin/budgeting/_bar_chart.html``: no script, no external service."""
+"""The admin's charts (requests per rung over time, input deviation, the RECONCILING backlog by age) as data
+for Chart.js: each ``Chart`` becomes a JSON spec that ``static/tokenbudget/charts.js`` draws with the library
+vendored under ``static/tokenbudget/vendor/`` (no external service; works offline)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from budgeting.backoffice.reports.query import ReportQuery
 from ladder.policy import RUNGS
 
 RUNG_COLORS = {
@@ -24,129 +22,66 @@ OTHER_COLOR = "#9e9e9e"
 
 
 @dataclass(frozen=True)
-class Bar:
-    x: float
-    y: float
-    width: float
-    height: float
-    color: str
-    title: str
-
-
-@dataclass(frozen=True)
-class Tick:
-    position: float
+class Series:
     label: str
+    color: str
+    values: list[int]
 
 
 @dataclass(frozen=True)
 class Chart:
-    """Geometry of a bar chart; ``templates/admin/budgeting/_bar_chart.html`` draws it."""
+    """A bar chart (stacked when it has several series). With ``time_unit`` ("hour" or "day") the labels are
+    ISO instants on a time axis; otherwise they are categories. ``note`` is the context a reader needs."""
 
+    element_id: str
     title: str
-    width: int
-    height: int
-    left: int
-    top: int
-    right: int
-    bottom: int
-    bars: list[Bar]
-    x_ticks: list[Tick]
-    y_ticks: list[Tick]
-    legend: list[tuple[str, str]]
+    labels: list[str]
+    series: list[Series]
     x_label: str
     y_label: str
+    time_unit: str | None = None
+    note: str = ""
+    empty_text: str = "No data in this period."
 
     @property
     def empty(self) -> bool:
-        return not self.bars
+        return not any(any(s.values) for s in self.series)
+
+    def spec(self) -> dict[str, Any]:
+        """What charts.js reads (through ``json_script``)."""
+        return {
+            "title": self.title,
+            "labels": self.labels,
+            "series": [{"label": s.label, "color": s.color, "values": s.values} for s in self.series],
+            "xLabel": self.x_label,
+            "yLabel": self.y_label,
+            "timeUnit": self.time_unit,
+        }
 
 
-def _nice_step(maximum: float, ticks: int = 4) -> float:
-    raw = maximum / ticks
-    magnitude = 10 ** math.floor(math.log10(raw))
-    return next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-
-
-def bar_chart(
-    title: str,
-    categories: Sequence[str],
-    series: Sequence[tuple[str, str, Sequence[int]]],
-    *,
-    x_label: str,
-    y_label: str,
-    width: int = 760,
-    height: int = 240,
-    max_x_labels: int = 12,
-) -> Chart:
-    """Stacked bars: one bar per category, one segment per series (name, color, values per category)."""
-    left, right, top, bottom = 56, 12, 12, 44
-    plot_w, plot_h = width - left - right, height - top - bottom
-    totals = [sum(values[i] for _, _, values in series) for i in range(len(categories))]
-    peak = max(totals, default=0)
-    bars: list[Bar] = []
-    y_ticks: list[Tick] = []
-    if peak:
-        step = max(_nice_step(peak), 1.0)  # counts: no half-request gridlines
-        top_value = math.ceil(peak / step) * step
-        scale = plot_h / top_value
-        y_ticks = [
-            Tick(top + plot_h - v * scale, f"{v:g}")
-            for v in (step * i for i in range(int(top_value / step) + 1))
-        ]
-        slot = plot_w / max(len(categories), 1)
-        bar_w = max(slot * 0.7, 1.0)
-        for i, category in enumerate(categories):
-            base = float(top + plot_h)
-            for name, color, values in series:
-                if values[i]:
-                    h = values[i] * scale
-                    base -= h
-                    bars.append(
-                        Bar(
-                            left + i * slot + (slot - bar_w) / 2,
-                            base,
-                            bar_w,
-                            h,
-                            color,
-                            f"{category} · {name}: {values[i]}",
-                        )
-                    )
-    every = max(1, math.ceil(len(categories) / max_x_labels))
-    slot = plot_w / max(len(categories), 1)
-    x_ticks = [Tick(left + i * slot + slot / 2, c) for i, c in enumerate(categories) if i % every == 0]
-    legend = [(name, color) for name, color, values in series if any(values)] if len(series) > 1 else []
-    return Chart(
-        title, width, height, left, top, right, bottom, bars, x_ticks, y_ticks, legend, x_label, y_label
-    )
-
-
-def rung_chart(query: ReportQuery, per_rung: list[dict[str, Any]]) -> Chart:
-    days = [d.isoformat() for d in query.days]
-    index = {day: i for i, day in enumerate(days)}
-    rungs = [r for r in RUNGS if any(row["rung"] == r for row in per_rung)]
-    rungs += sorted({row["rung"] for row in per_rung} - set(rungs))
+def rung_chart(unit: str, rows: list[dict[str, Any]]) -> Chart:
+    """Requests per rung over the buckets that have requests (``selectors.requests_over_time``)."""
+    instants = sorted({row["at"] for row in rows})
+    index = {at: i for i, at in enumerate(instants)}
+    present = {row["rung"] for row in rows}
+    rungs = [r for r in RUNGS if r in present] + sorted(present - set(RUNGS))
     series = []
     for rung in rungs:
-        values = [0] * len(days)
-        for row in per_rung:
-            if row["rung"] == rung and row["day"] in index:
-                values[index[row["day"]]] += row["requests"]
-        series.append((rung, RUNG_COLORS.get(rung, OTHER_COLOR), values))
-    labels = [d[5:] for d in days]
-    return bar_chart("Requests per rung", labels, series, x_label="day (UTC)", y_label="requests")
-
-
-def _counts_chart(title: str, labels: list[str], values: list[int], color: str, x_label: str) -> Chart:
-    """A narrow chart of one series of reservation counts, every bar labelled."""
-    return bar_chart(
-        title,
-        labels,
-        [("reservations", color, values)],
-        x_label=x_label,
-        y_label="reservations",
-        width=460,
-        max_x_labels=len(labels),
+        values = [0] * len(instants)
+        for row in rows:
+            if row["rung"] == rung:
+                values[index[row["at"]]] += row["requests"]
+        series.append(Series(rung, RUNG_COLORS.get(rung, OTHER_COLOR), values))
+    return Chart(
+        "tb-chart-rungs",
+        "Requests per rung",
+        instants,
+        series,
+        x_label=f"{unit} (UTC)",
+        y_label="requests",
+        time_unit=unit,
+        note="Every decision, shadow included; the axis spans the requests of the period, "
+        f"one bar per {unit}.",
     )
 
 
@@ -154,25 +89,33 @@ def deviation_chart(histogram: list[dict[str, Any]]) -> Chart:
     labels = []
     for bucket in histogram:
         if bucket["from"] is None:
-            labels.append(f"<{bucket['to']:g}")
+            labels.append(f"< {bucket['to']:g} %")
         elif bucket["to"] is None:
-            labels.append(f"≥{bucket['from']:g}")
+            labels.append(f"≥ {bucket['from']:g} %")
         else:
-            labels.append(f"{bucket['from']:g}")
-    return _counts_chart(
+            labels.append(f"{bucket['from']:g} to {bucket['to']:g} %")
+    return Chart(
+        "tb-chart-deviation",
         "Input deviation (provider-reported vs our count)",
         labels,
-        [b["count"] for b in histogram],
-        "#1565c0",
-        "deviation, % (each bar from its label to the next)",
+        [Series("reservations", "#1565c0", [b["count"] for b in histogram])],
+        x_label="(provider-reported − our count) / our count",
+        y_label="reservations",
+        note="A provider's count is only as good as the provider: the demo's provider simulator estimates "
+        "prompt tokens as UTF-8 bytes / 4 (+4 per message) instead of using the model's tokenizer, so with "
+        "simulated traffic this spread is mostly the simulator's estimate, not an error of our count. With a "
+        "real provider it shows how far our count is from what it bills.",
+        empty_text="No provider-reported input in this period.",
     )
 
 
 def backlog_chart(backlog: dict[str, Any]) -> Chart:
-    return _counts_chart(
+    return Chart(
+        "tb-chart-backlog",
         "Reconciling backlog by age",
         [b["label"] for b in backlog["byAge"]],
-        [b["count"] for b in backlog["byAge"]],
-        "#ef6c00",
-        "age since dispatch",
+        [Series("reservations", "#ef6c00", [b["count"] for b in backlog["byAge"]])],
+        x_label="age since dispatch",
+        y_label="reservations",
+        empty_text="Nothing is reconciling.",
     )

@@ -4,12 +4,12 @@ overflows, the RECONCILING backlog, and how far settlement was from what was bil
 from __future__ import annotations
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Count, Min, OuterRef, QuerySet, Subquery, Sum
-from django.db.models.functions import TruncDate
+from django.db.models import Count, Max, Min, OuterRef, QuerySet, Subquery, Sum
+from django.db.models.functions import TruncDate, TruncDay, TruncHour
 
 from budgeting.admission.models import Manifest
 from budgeting.backoffice.reports.query import ReportQuery
@@ -21,6 +21,9 @@ from ledger.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
 # spellings providers use (OpenAI "context_length_exceeded", Anthropic "prompt is too long", generic ones).
 # Input deviation: (provider-reported − our count) / our count, in percent, bucketed for the chart.
 DEVIATION_EDGES = (-10.0, -5.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+# Requests spanning at most this long are charted per hour; longer spans per day.
+CHART_HOURLY_SPAN = timedelta(hours=48)
 
 BACKLOG_AGE_EDGES = (
     ("< 5 min", 300),
@@ -60,6 +63,20 @@ def requests_per_rung(q: ReportQuery) -> list[dict[str, Any]]:
         .order_by("day", "rung")
     )
     return [{"day": r["day"].isoformat(), "rung": r["rung"], "requests": r["requests"]} for r in rows]
+
+
+def requests_over_time(q: ReportQuery) -> tuple[str, list[dict[str, Any]]]:
+    """Requests per rung in time buckets that fit the data: hours when the period's requests span at most
+    CHART_HOURLY_SPAN, days otherwise. Returns the unit ("hour" or "day") and rows of bucket start (ISO, UTC),
+    rung and requests, oldest first; only buckets that have requests."""
+    qs = manifests(q)
+    span = qs.aggregate(first=Min("created_at"), last=Max("created_at"))
+    if span["first"] is None:
+        return "day", []
+    unit = "hour" if span["last"] - span["first"] <= CHART_HOURLY_SPAN else "day"
+    bucket = TruncHour("created_at", tzinfo=UTC) if unit == "hour" else TruncDay("created_at", tzinfo=UTC)
+    rows = qs.annotate(at=bucket).values("at", "rung").annotate(requests=Count("pk")).order_by("at", "rung")
+    return unit, [{"at": r["at"].isoformat(), "rung": r["rung"], "requests": r["requests"]} for r in rows]
 
 
 # --- raw SQL: deviation and quality -------------------------------------------------------------------------

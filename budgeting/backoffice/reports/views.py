@@ -1,4 +1,5 @@
-"""The analysts' report pages: ``GET /api/v1/reports`` (JSON, CSV, FOCUS CSV) and the admin report page.
+"""The analysts' report pages: ``GET /api/v1/reports`` (JSON, CSV, FOCUS CSV), the admin report page and a
+tenant's spend page.
 
 The API is for people signed in to the admin (a staff session with a role that may read reports), not for
 gateways: bearer tokens are not accepted here.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterable, Iterator, Sequence
+from decimal import Decimal
 from typing import Any
 from urllib.parse import urlencode
 
@@ -18,6 +20,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from budgeting.api.problems import PROBLEM_CONTENT_TYPE, Problem, problem_body, status_of
+from budgeting.backoffice.reports import selectors, spend
 from budgeting.backoffice.reports.charts import backlog_chart, deviation_chart, rung_chart
 from budgeting.backoffice.reports.document import report
 from budgeting.backoffice.reports.focus import FOCUS_COLUMNS, focus_records
@@ -107,17 +110,6 @@ def reports_api(request: HttpRequest) -> HttpResponseBase:
     return response
 
 
-def thousands(value: Any) -> Any:
-    """The report with its integers written with thousands separators, for reading on the page."""
-    if isinstance(value, bool) or not isinstance(value, int | dict | list):
-        return value
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, dict):
-        return {k: thousands(v) for k, v in value.items()}
-    return [thousands(v) for v in value]
-
-
 def report_page(request: HttpRequest, context: dict[str, Any]) -> TemplateResponse:
     """The admin report page (the caller, UsageReportAdmin, has checked the permission)."""
     now = timezone.now()
@@ -128,7 +120,6 @@ def report_page(request: HttpRequest, context: dict[str, Any]) -> TemplateRespon
         errors[str(exc.extra.get("field", "from"))] = exc.detail
         query = parse_query({}, today=now.date())
     data = report(query, now=now)
-    params = query.as_params()
     return TemplateResponse(
         request,
         "admin/budgeting/report.html",
@@ -136,16 +127,37 @@ def report_page(request: HttpRequest, context: dict[str, Any]) -> TemplateRespon
             **context,
             "title": "Usage report",
             "query": query,
-            "params": params,
+            "params": query.as_params(),
             "errors": errors,
-            "report": thousands(data),
-            "usage_preview": thousands(data["usage"][:100]),
-            "rung_chart": rung_chart(query, data["requestsPerRung"]),
+            "report": data,
+            "generated_at": now,
+            "cost": {currency: Decimal(amount) for currency, amount in data["totals"]["cost"].items()},
+            "usage_preview": data["usage"][:100],
+            "rung_chart": rung_chart(*selectors.requests_over_time(query)),
             "deviation_chart": deviation_chart(data["deviationHistogram"]),
             "backlog_chart": backlog_chart(data["reconcilingBacklog"]),
             "tenants": Tenant.objects.values_list("slug", flat=True),
             "task_classes": TaskClass.objects.values_list("slug", flat=True),
             "pools": ModelPool.objects.values_list("slug", flat=True),
-            "export_query": urlencode(params),
+            "export_query": urlencode(query.as_params()),
+        },
+    )
+
+
+def tenant_spend_page(request: HttpRequest, context: dict[str, Any], tenant: Tenant) -> TemplateResponse:
+    """A tenant's spend this month: to date, projected to the month's end, by model revision and task class
+    (the caller, UsageReportAdmin, has checked the permission)."""
+    now = timezone.now()
+    return TemplateResponse(
+        request,
+        "admin/budgeting/tenant_spend.html",
+        {
+            **context,
+            "title": f"Spend of {tenant.slug}",
+            "tenant": tenant,
+            "now": now,
+            "spend": spend.spend(now=now, tenant=tenant.slug),
+            "rows": spend.tenant_breakdown(tenant.slug, now),
+            "run_rate_days": spend.RUN_RATE_DAYS,
         },
     )

@@ -1,0 +1,154 @@
+"""How the admin writes the figures people read, and reads the ones they type: token counts with thousands
+separators ("2,000,000"), signed movements ("+2,000,000", "-1,600"), compact millions for narrow columns,
+money at its currency's precision with its symbol ("$2.36"), and unit prices (per 1M tokens) with the digits
+they have.
+
+Templates use the same functions as filters (``{% load tb_formats %}``); a form field reading a count
+(``CountField``) accepts what it shows ("12,000,000").
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
+
+from django import forms
+from django.core.exceptions import ValidationError
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+
+UNLIMITED = "∞"
+
+# Symbols people expect in front of an amount; other currencies are written after it ("2.36 CHF").
+CURRENCY_SYMBOLS = {"USD": "$", "EUR": "€", "GBP": "£", "JPY": "¥", "INR": "₹", "KRW": "₩"}
+
+# ISO 4217 minor units of the currencies that do not have two (the rest have two).
+MINOR_UNITS = {
+    "BHD": 3,
+    "CLP": 0,
+    "IQD": 3,
+    "ISK": 0,
+    "JOD": 3,
+    "JPY": 0,
+    "KRW": 0,
+    "KWD": 3,
+    "LYD": 3,
+    "OMR": 3,
+    "PYG": 0,
+    "TND": 3,
+    "UGX": 0,
+    "VND": 0,
+    "XAF": 0,
+    "XOF": 0,
+}
+
+# Separators a person may type inside a number: commas, spaces (also the narrow no-break ones), underscores.
+_SEPARATORS = re.compile(r"[,_\s\u00a0\u202f]")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def count(value: int | None) -> str:
+    """A count of tokens or requests with thousands separators; no value (no limit) is "∞"."""
+    return UNLIMITED if value is None else f"{value:,}"
+
+
+def signed(value: int | None) -> str:
+    """A movement with its sign: "+2,000,000", "-1,600", "0"; no value is "—"."""
+    if value is None:
+        return "—"
+    return f"{value:+,}" if value else "0"
+
+
+def compact(value: int | None) -> SafeString:
+    """Millions as "99.99 M" for narrow list columns, the exact figure in the tooltip; smaller ones exact."""
+    if value is None or abs(value) < 1_000_000:
+        return format_html("{}", count(value))
+    return format_html('<span title="{}">{} M</span>', count(value), f"{value / 1_000_000:,.2f}")
+
+
+def minor_units(currency: str) -> int:
+    return MINOR_UNITS.get(currency.upper(), 2)
+
+
+def money(amount: Decimal | int | str | None, currency: str | None) -> str:
+    """An amount rounded (half up) to its currency's precision, with its symbol: "$2.36", "-€1,204.50",
+    "¥236", "2.36 CHF". No amount is "—"."""
+    if amount is None or not currency:
+        return "—"
+    places = minor_units(currency)
+    rounded = Decimal(amount).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
+    return _with_currency(f"{abs(rounded):,.{places}f}", currency, negative=rounded < 0)
+
+
+def unit_price(amount: Decimal | str | None, currency: str | None) -> str:
+    """A price per million tokens: at least the currency's precision, more digits when the price has them
+    ("$0.27", "$0.0375"). Where it is shown, the column or label says "per 1M tokens"."""
+    if amount is None or not currency:
+        return "—"
+    value = Decimal(amount)
+    exponent = value.normalize().as_tuple().exponent
+    places = max(minor_units(currency), -exponent if isinstance(exponent, int) else 0)
+    return _with_currency(f"{abs(value):,.{places}f}", currency, negative=value < 0)
+
+
+def _with_currency(digits: str, currency: str, *, negative: bool) -> str:
+    symbol = CURRENCY_SYMBOLS.get(currency.upper())
+    text = f"{symbol}{digits}" if symbol else f"{digits} {currency.upper()}"
+    return f"-{text}" if negative else text
+
+
+def amounts(by_currency: dict[str, Decimal]) -> str:
+    """Amounts in several currencies, largest first: "$2.36 + €0.40"; none is "—"."""
+    if not by_currency:
+        return "—"
+    ordered = sorted(by_currency.items(), key=lambda item: (-item[1], item[0]))
+    return " + ".join(money(amount, currency) for currency, amount in ordered)
+
+
+def percent(share: float | None, places: int = 0) -> str:
+    """A share of 1 as a percentage ("82 %"); none is "—"."""
+    return "—" if share is None else f"{share * 100:,.{places}f} %"
+
+
+def parse_count(text: str) -> int:
+    """A count typed by a person: "12,000,000", "12 000 000", "+1,600", "-1,600". Raises ValueError."""
+    cleaned = _SEPARATORS.sub("", text)
+    if not _INTEGER.fullmatch(cleaned):
+        raise ValueError(text)
+    return int(cleaned)
+
+
+class CountInput(forms.TextInput):
+    """A text box for counts: shows its value with separators and asks phones for the numeric keypad."""
+
+    def __init__(self, attrs: dict[str, Any] | None = None) -> None:
+        super().__init__(
+            {"inputmode": "numeric", "autocomplete": "off", "class": "tb-count", **(attrs or {})}
+        )
+
+    def format_value(self, value: Any) -> str | None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return count(value)
+        return super().format_value(value)
+
+
+class CountField(forms.IntegerField):
+    """An integer count of tokens or requests, typed with or without thousands separators."""
+
+    widget = CountInput
+    default_error_messages = {"invalid": "Enter a whole number, e.g. 12,000,000."}
+
+    def to_python(self, value: Any) -> int | None:
+        if value in self.empty_values:
+            return None
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_count(str(value))
+        except ValueError:
+            raise ValidationError(self.error_messages["invalid"], code="invalid") from None
+
+    def widget_attrs(self, widget: forms.Widget) -> dict[str, Any]:
+        # IntegerField would add min/max/step attributes that only a number input understands.
+        return {}
