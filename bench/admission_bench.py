@@ -103,9 +103,10 @@ INSERT INTO ledger_reservation (
     id, tenant_id, task_class_id, model_pool_id, model_revision_id, request_id, idempotency_key,
     rendered_digest, admitted_digest, rung, mode, state, outcome, input_reserved, input_consumed,
     output_reserved, top_ups, captured, remaining, released, overrun, concurrency_held, provider_request_id,
-    fence, failure_reason, minimum_evidence_ids, created_at, updated_at)
+    fence, failure_reason, minimum_evidence_ids, needs_person, provider_adapter, provider_endpoint,
+    request_sent, created_at, updated_at)
 VALUES (%s, %s, %s, %s, %s, %s, %s, 'd', 'd', 'FULL', 'ENFORCE', 'RESERVED', '', 10, 0, 10, 0, 0, 10, 0, 0,
-        true, '', 1, '', '[]', now(), now())
+        true, '', 1, '', '[]', '', '', '', '', now(), now())
 """
 RAW_UPDATE = """
 UPDATE ledger_capacityaccount
@@ -155,6 +156,52 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+HOT_BODY = {
+    "requestId": "",
+    "tenantId": "t-internal",
+    "taskClass": "support-chat",
+    "modelPool": "eu-large",
+    "modelRevision": "model@2026-07-01",
+    "maxOutput": 200,
+    "components": {
+        "immutableRules": ["Be brief."],
+        "authorizationScope": {"permissions": ["kb:read"]},
+        "question": {"text": "How do I reset my password?"},
+        "evidence": [
+            {
+                "id": "kb1",
+                "sourceId": "kb",
+                "text": "Use the reset link on the login page.",
+                "score": 1.0,
+                "permissions": ["kb:read"],
+            }
+        ],
+    },
+}
+
+
+def http_throughput(base: str, seconds: float) -> dict[str, float]:
+    """``POST /api/v1/admissions`` from CLIENTS threads against a running server at ``base``."""
+
+    def call(i: int, n: int) -> bool:
+        payload = dict(HOT_BODY, requestId=f"http-{i}-{n}-{time.monotonic_ns()}")
+        request = urllib.request.Request(
+            f"{base}/api/v1/admissions",
+            data=json.dumps(payload).encode(),
+            method="POST",
+            headers={
+                "Authorization": f"Bearer {TOKEN}",
+                "Content-Type": "application/json",
+                "Idempotency-Key": str(payload["requestId"]),
+            },
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status == 201
+
+    call(0, -1)
+    return run_clients(seconds, call)
+
+
 def http_run(url: str, seconds: float) -> dict[str, float]:
     port = free_port()
     env = {**os.environ, "DATABASE_URL": url}
@@ -165,9 +212,7 @@ def http_run(url: str, seconds: float) -> dict[str, float]:
             "-b",
             f"127.0.0.1:{port}",
             "-w",
-            "3",
-            "--threads",
-            "4",
+            os.environ.get("WEB_CONCURRENCY", str(min(8, 2 * (os.cpu_count() or 1)))),
             "--log-level",
             "warning",
         ],
@@ -175,55 +220,70 @@ def http_run(url: str, seconds: float) -> dict[str, float]:
         cwd=ROOT,
     )
     try:
-        for _ in range(100):
+        for _ in range(600):
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/schema", timeout=1).read()
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/", timeout=2).read()
                 break
             except OSError:
                 time.sleep(0.1)
-        body = {
-            "requestId": "",
-            "tenantId": "t-internal",
-            "taskClass": "support-chat",
-            "modelPool": "eu-large",
-            "modelRevision": "model@2026-07-01",
-            "maxOutput": 200,
-            "components": {
-                "immutableRules": ["Be brief."],
-                "authorizationScope": {"permissions": ["kb:read"]},
-                "question": {"text": "How do I reset my password?"},
-                "evidence": [
-                    {
-                        "id": "kb1",
-                        "sourceId": "kb",
-                        "text": "Use the reset link on the login page.",
-                        "score": 1.0,
-                        "permissions": ["kb:read"],
-                    }
-                ],
-            },
-        }
-
-        def call(i: int, n: int) -> bool:
-            payload = dict(body, requestId=f"http-{i}-{n}")
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{port}/api/v1/admissions",
-                data=json.dumps(payload).encode(),
-                method="POST",
-                headers={
-                    "Authorization": f"Bearer {TOKEN}",
-                    "Content-Type": "application/json",
-                    "Idempotency-Key": f"http-{i}-{n}",
-                },
-            )
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return response.status == 201
-
-        call(0, -1)
-        return run_clients(seconds, call)
+        return http_throughput(f"http://127.0.0.1:{port}", seconds)
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def hot_shape() -> tuple[list[int], int, dict[str, int]]:
+    """The hot tenant's accounts (lock order), tenant id and catalog ids of the throughput runs; limits lifted
+    (throughput, not admission control, is measured)."""
+    from django.utils import timezone
+
+    from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
+    from ledger.models import CapacityAccount
+    from ledger.services import accounts as ledger_accounts
+
+    tenant = Tenant.objects.get(slug="t-internal")
+    task = TaskClass.objects.get(slug="support-chat")
+    pool = ModelPool.objects.get(slug="eu-large")
+    model = ModelRevision.objects.get(name="model@2026-07-01")
+    accounts = ledger_accounts.applicable_accounts(
+        tenant=tenant, task_class=task, pool=pool, now=timezone.now()
+    )
+    CapacityAccount.objects.update(concurrency_limit=None, input_limit=10**13, output_limit=10**12)
+    return [a.pk for a in accounts], tenant.pk, {"task": task.pk, "pool": pool.pk, "model": model.pk}
+
+
+def service_throughput(seconds: float) -> dict[str, float]:
+    """``ledger.services.admission.reserve`` from CLIENTS threads, the hot shape."""
+    from django.utils import timezone
+
+    from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
+    from ledger.services import admission as ledger_admission
+
+    tenant = Tenant.objects.get(slug="t-internal")
+    task = TaskClass.objects.get(slug="support-chat")
+    pool = ModelPool.objects.get(slug="eu-large")
+    model = ModelRevision.objects.get(name="model@2026-07-01")
+
+    def service_call(i: int, n: int) -> bool:
+        key = f"svc-{i}-{n}-{time.monotonic_ns()}"
+        spec = ledger_admission.AdmissionSpec(
+            tenant=tenant,
+            task_class=task,
+            pool=pool,
+            model_revision=model,
+            request_id=key,
+            idempotency_key=key,
+            rendered_digest="sha256:" + "a" * 64,
+            admitted_digest="sha256:" + "a" * 64,
+            input_tokens=10,
+            output_tokens=10,
+            policy_revision=18,
+            rung="FULL",
+            manifest_id=None,
+        )
+        return not ledger_admission.reserve(spec=spec, build_body=lambda r: {}, now=timezone.now()).replayed
+
+    return run_clients(seconds, service_call)
 
 
 def main() -> None:
@@ -238,51 +298,16 @@ def main() -> None:
     import django
 
     django.setup()
-    from django.utils import timezone
-
-    from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
+    from budgeting.catalog.models import Tenant
     from ledger.models import CapacityAccount, Reservation
     from ledger.selectors import audit
-    from ledger.services import accounts as ledger_accounts
-    from ledger.services import admission as ledger_admission
 
-    tenant = Tenant.objects.get(slug="t-internal")
-    task = TaskClass.objects.get(slug="support-chat")
-    pool = ModelPool.objects.get(slug="eu-large")
-    model = ModelRevision.objects.get(name="model@2026-07-01")
-    accounts = ledger_accounts.applicable_accounts(
-        tenant=tenant, task_class=task, pool=pool, now=timezone.now()
-    )
-    # Throughput, not admission control, is measured: lift the concurrency and input limits that would
-    # otherwise stop the run after a few hundred holds.
-    CapacityAccount.objects.update(concurrency_limit=None, input_limit=10**12, output_limit=10**12)
-    account_ids = [a.pk for a in accounts]
-
-    raw = raw_baseline(
-        url, args.seconds, account_ids, tenant.pk, {"task": task.pk, "pool": pool.pk, "model": model.pk}
-    )
-
-    def service_call(i: int, n: int) -> bool:
-        spec = ledger_admission.AdmissionSpec(
-            tenant=tenant,
-            task_class=task,
-            pool=pool,
-            model_revision=model,
-            request_id=f"svc-{i}-{n}",
-            idempotency_key=f"svc-{i}-{n}",
-            rendered_digest="sha256:" + "a" * 64,
-            admitted_digest="sha256:" + "a" * 64,
-            input_tokens=10,
-            output_tokens=10,
-            policy_revision=18,
-            rung="FULL",
-            manifest_id=None,
-        )
-        return not ledger_admission.reserve(spec=spec, build_body=lambda r: {}, now=timezone.now()).replayed
-
-    service = run_clients(args.seconds, service_call)
+    account_ids, tenant_id, refs = hot_shape()
+    raw = raw_baseline(url, args.seconds, account_ids, tenant_id, refs)
+    service = service_throughput(args.seconds)
     http = http_run(url, args.seconds)
 
+    tenant = Tenant.objects.get(pk=tenant_id)
     report = audit(account_ids=account_ids)
     tenant_account = CapacityAccount.objects.get(scope="TENANT", tenant=tenant)
     overspent = tenant_account.input_limit is not None and (

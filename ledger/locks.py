@@ -11,9 +11,11 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from django.contrib.postgres.expressions import ArraySubquery
 from django.db import connection
+from django.db.models import DateTimeField, Func, OuterRef
 
-from ledger.models import CapacityAccount, Reservation
+from ledger.models import CapacityAccount, Hold, Reservation
 
 
 def lock_reservation(
@@ -24,7 +26,16 @@ def lock_reservation(
     FOR UPDATE because every lifecycle write reads state, fence and amounts and then writes them: without the
     lock two usage events could both read ``remaining`` and capture it twice.
     """
-    queryset = Reservation.objects.select_for_update(of=("self",)).filter(pk=reservation_id)
+    # The held accounts come with the row (one statement): every write that follows moves their balances.
+    held = Hold.objects.filter(reservation=OuterRef("pk")).order_by("account_id").values("account_id")
+    queryset = (
+        Reservation.objects.select_for_update(of=("self",))
+        .filter(pk=reservation_id)
+        .annotate(
+            held_account_ids=ArraySubquery(held),
+            db_now=Func(function="clock_timestamp", output_field=DateTimeField()),
+        )
+    )
     if tenant_ids is not None:
         queryset = queryset.filter(tenant_id__in=list(tenant_ids))
     return queryset.first()

@@ -94,15 +94,25 @@ class CapacityAccount(models.Model):
         ]
 
     def __str__(self) -> str:
-        if self.scope == Scope.TENANT:
-            return f"tenant {self.tenant_id and self.tenant}"
-        if self.scope == Scope.TENANT_TASK:
-            return f"tenant {self.tenant} × {self.task_class}"
-        return f"pool {self.pool}"
+        return account_label(
+            self.scope,
+            self.tenant.slug if self.tenant else None,
+            self.task_class.slug if self.task_class else None,
+            self.pool.slug if self.pool else None,
+        )
 
     @property
     def label(self) -> str:
         return str(self)
+
+
+def account_label(scope: str, tenant: str | None, task_class: str | None, pool: str | None) -> str:
+    """How a person reads an account: "tenant t-19", "tenant t-19 × summarize", "pool eu-large"."""
+    if scope == Scope.TENANT:
+        return f"tenant {tenant}"
+    if scope == Scope.TENANT_TASK:
+        return f"tenant {tenant} × {task_class}"
+    return f"pool {pool}"
 
 
 class State(models.TextChoices):

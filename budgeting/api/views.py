@@ -115,9 +115,13 @@ class AdmissionView(TenantScopedView):
     )
     def post(self, request: Request) -> Response:
         key = request.headers.get("Idempotency-Key", "")
-        body = AdmissionRequest.from_wire(self.validated(AdmissionIn, request.data))
+        admission_request = AdmissionRequest.from_wire(self.validated(AdmissionIn, request.data))
         result = admission.admit(
-            caller=self.caller(), request=body, raw=request.data, idempotency_key=key, now=timezone.now()
+            caller=self.caller(),
+            request=admission_request,
+            raw=request.data,
+            idempotency_key=key,
+            now=timezone.now(),
         )
         body = result.body
         if result.would_reject is not None:

@@ -30,7 +30,7 @@ from ledger.models import (
     UsageEvent,
 )
 from ledger.services.accounts import ShortageSignal, shortage
-from ledger.services.postings import apply, capture, held_account_ids, settle, write_entries
+from ledger.services.postings import Postings, capture, held_account_ids, settle
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -98,16 +98,10 @@ def dispatch(
             reservation.provider_adapter = Subquery(pool.values("adapter")[:1])
             reservation.provider_endpoint = Subquery(pool.values("provider_base_url")[:1])
             reservation.dispatched_at = now
-            reservation.save()
+            posts = Postings(reservation, held_account_ids(reservation))
             n = reservation.input_reserved
-            apply(
-                reservation,
-                held_account_ids(reservation),
-                EntryKind.POST,
-                input_reserved=-n,
-                input_consumed=n,
-                reason="dispatched",
-            )
+            posts.move(EntryKind.POST, input_reserved=-n, input_consumed=n, reason="dispatched")
+            posts.flush()
             return reservation
 
     try:
@@ -120,6 +114,14 @@ def dispatch(
             f"providerRequestId {provider_request_id!r} already names another call of this tenant",
             code="PROVIDER_REQUEST_ID_IN_USE",
         ) from None
+
+
+class _AlreadyDone(Exception):
+    """The reservation's state refuses the write: unless it is a repeat of one already recorded."""
+
+    def __init__(self, reservation: Reservation) -> None:
+        super().__init__(str(reservation.pk))
+        self.reservation = reservation
 
 
 @dataclass(frozen=True)
@@ -142,43 +144,50 @@ def record_usage(
     def attempt() -> tuple[Reservation, bool]:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
-            earlier = UsageEvent.objects.filter(
-                reservation=reservation, usage_event_id=usage.usage_event_id
-            ).first()
-            if earlier is not None:
-                if (earlier.output_tokens, earlier.input_tokens, earlier.final) != (
-                    usage.output_tokens,
-                    usage.input_tokens,
-                    usage.final,
-                ):
-                    raise UsageEventConflict(
-                        f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
-                        recorded={
-                            "outputTokens": earlier.output_tokens,
-                            "inputTokens": earlier.input_tokens,
-                            "final": earlier.final,
-                        },
-                    )
-                return reservation, False
             if reservation.state not in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}:
-                raise _refuse(reservation, "record usage on")
-            account_ids = held_account_ids(reservation)
+                raise _AlreadyDone(reservation)
+            posts = Postings(reservation, held_account_ids(reservation))
             capture(
-                reservation,
-                account_ids,
+                posts,
                 usage_event_id=usage.usage_event_id,
                 output_tokens=usage.output_tokens,
                 input_tokens=usage.input_tokens,
                 final=usage.final,
             )
             if usage.final:
-                settle(reservation, reservation.complete, account_ids, reason="final usage", now=now)
+                settle(posts, reservation.complete, reason="final usage", now=now)
             elif reservation.state == State.DISPATCHED:
                 reservation.start_running()
-            reservation.save()
+            # No look-up of the event id first: its unique index answers a repeat (one statement fewer).
+            posts.flush()
             return reservation, True
 
-    return with_retries(attempt)
+    try:
+        return with_retries(attempt)
+    except (IntegrityError, _AlreadyDone) as outcome:
+        earlier = UsageEvent.objects.filter(
+            reservation_id=reservation_id,
+            usage_event_id=usage.usage_event_id,
+            reservation__tenant_id__in=list(tenant_ids),
+        ).first()
+        if earlier is None:
+            if isinstance(outcome, _AlreadyDone):
+                raise _refuse(outcome.reservation, "record usage on") from None
+            raise
+        if (earlier.output_tokens, earlier.input_tokens, earlier.final) != (
+            usage.output_tokens,
+            usage.input_tokens,
+            usage.final,
+        ):
+            raise UsageEventConflict(
+                f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                recorded={
+                    "outputTokens": earlier.output_tokens,
+                    "inputTokens": earlier.input_tokens,
+                    "final": earlier.final,
+                },
+            ) from None
+        return earlier.reservation, False
 
 
 def top_up(
@@ -195,36 +204,46 @@ def top_up(
     def attempt() -> tuple[Reservation, bool]:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
-            earlier = TopUp.objects.filter(reservation=reservation, top_up_id=top_up_id).first()
-            if earlier is not None:
-                if earlier.output_tokens != output_tokens:
-                    raise Conflict(
-                        f"topUpId {top_up_id!r} was recorded with another amount",
-                        code="TOP_UP_CONFLICT",
-                        recorded=earlier.output_tokens,
-                    )
-                return reservation, False
             if reservation.state not in {State.RESERVED, State.DISPATCHED, State.RUNNING}:
-                raise _refuse(reservation, "top up")
-            accounts = list(
-                CapacityAccount.objects.filter(pk__in=held_account_ids(reservation)).order_by("pk")
-            )
-            short = locks.reserve_on_accounts(
-                [a.pk for a in accounts], input_tokens=0, output_tokens=output_tokens, concurrency=0
-            )
-            if short is not None:
-                raise ShortageSignal(next(a for a in accounts if a.pk == short))
-            write_entries(reservation, accounts, EntryKind.TOP_UP, output_reserved=output_tokens)
-            TopUp.objects.create(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens)
+                raise _AlreadyDone(reservation)
+            account_ids = held_account_ids(reservation)
+            posts = Postings(reservation, account_ids)
+            posts.insert(TopUp(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens))
+            posts.move(EntryKind.TOP_UP, output_reserved=output_tokens)
             reservation.top_ups += output_tokens
             reservation.remaining += output_tokens
-            reservation.save()
+            # No look-up of the top-up id first: its unique index answers a repeat (one statement fewer).
+            held = posts.flush(within_limits=True)
+            short = next((a for a in account_ids if a not in held), None)
+            if short is not None:
+                raise ShortageSignal(CapacityAccount.objects.get(pk=short))
             return reservation, True
 
     try:
         return with_retries(attempt)
     except ShortageSignal as signal:
         raise shortage(signal.account, input_tokens=0, output_tokens=output_tokens, concurrency=0) from None
+    except (IntegrityError, _AlreadyDone) as outcome:
+        earlier = (
+            TopUp.objects.select_related("reservation")
+            .filter(
+                reservation_id=reservation_id,
+                top_up_id=top_up_id,
+                reservation__tenant_id__in=list(tenant_ids),
+            )
+            .first()
+        )
+        if earlier is None:
+            if isinstance(outcome, _AlreadyDone):
+                raise _refuse(outcome.reservation, "top up") from None
+            raise
+        if earlier.output_tokens != output_tokens:
+            raise Conflict(
+                f"topUpId {top_up_id!r} was recorded with another amount",
+                code="TOP_UP_CONFLICT",
+                recorded=earlier.output_tokens,
+            ) from None
+        return earlier.reservation, False
 
 
 def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, now: datetime) -> Reservation:
@@ -233,12 +252,11 @@ def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
     def attempt() -> Reservation:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
-            account_ids = held_account_ids(reservation)
+            posts = Postings(reservation, held_account_ids(reservation))
             if reservation.state == State.RESERVED:
                 settle(
-                    reservation,
+                    posts,
                     reservation.release_undispatched,
-                    account_ids,
                     reason="cancelled before dispatch",
                     now=now,
                     release_input=reservation.input_reserved,
@@ -252,7 +270,7 @@ def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
                 return reservation
             else:
                 raise _refuse(reservation, "cancel")
-            reservation.save()
+            posts.flush()
             return reservation
 
     return with_retries(attempt)
@@ -276,12 +294,11 @@ def fail(
     def attempt() -> Reservation:
         with transaction.atomic(durable=True):
             reservation = _locked(reservation_id, tenant_ids, fence)
-            account_ids = held_account_ids(reservation)
+            posts = Postings(reservation, held_account_ids(reservation))
             if reservation.state == State.RESERVED:
                 settle(
-                    reservation,
+                    posts,
                     reservation.release_undispatched,
-                    account_ids,
                     reason=f"failed before dispatch: {reason}",
                     now=now,
                     release_input=reservation.input_reserved,
@@ -289,9 +306,8 @@ def fail(
                 reservation.failure_reason = f"failed before dispatch: {reason}"
             elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
                 settle(
-                    reservation,
+                    posts,
                     reservation.release_unprocessed,
-                    account_ids,
                     reason=f"never processed: {reason}",
                     now=now,
                     refund_input=reservation.input_consumed,
@@ -316,8 +332,7 @@ def fail(
                         )
                 if usage is not None and earlier is None:
                     capture(
-                        reservation,
-                        account_ids,
+                        posts,
                         usage_event_id=usage.usage_event_id,
                         output_tokens=usage.output_tokens,
                         input_tokens=usage.input_tokens,
@@ -333,7 +348,7 @@ def fail(
                 return reservation
             else:
                 raise _refuse(reservation, "fail")
-            reservation.save()
+            posts.flush()
             return reservation
 
     return with_retries(attempt)
@@ -345,8 +360,8 @@ def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: 
         reservation = _locked(reservation_id, tenant_ids, fence)
         if reservation.state in {State.SETTLED, State.REJECTED, State.RECONCILING, State.PROPOSED}:
             raise _refuse(reservation, "renew the lease of")
-        db_now = locks.db_now()
-        assert isinstance(db_now, datetime)
+        # The database clock, read with the lock (``locks.lock_reservation``): no statement of its own.
+        db_now: datetime = reservation.db_now  # type: ignore[attr-defined]
         reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
         reservation.save(update_fields=["lease_expires_at", "updated_at"])
         return reservation

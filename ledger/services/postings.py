@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
-from django.db import connection
-from django.db.models import F, Sum
-from django.db.models.sql import InsertQuery
+from django.db import connection, models
+from django.db.models import F, Q, Sum
+from django.db.models.sql import InsertQuery, UpdateQuery
 
 from ledger import locks
 from ledger.errors import (
@@ -27,74 +29,167 @@ from ledger.models import (
 logger = logging.getLogger(__name__)
 
 
-def apply(
-    reservation: Reservation,
-    account_ids: Sequence[int],
-    kind: str,
-    *,
-    reason: str = "",
-    input_reserved: int = 0,
-    output_reserved: int = 0,
-    input_consumed: int = 0,
-    output_consumed: int = 0,
-    in_flight: int = 0,
-) -> None:
-    """Move balances on every held account (ascending pk) and write one entry per account.
+@dataclass
+class _Move:
+    kind: str
+    reason: str
+    # account id -> (input reserved, output reserved, input consumed, output consumed, in flight)
+    deltas: dict[int, tuple[int, int, int, int, int]]
 
-    A decrease of consumed tokens (a refund or a downward correction) is limited, per account, to what this
-    reservation posted into the account's current period: the rest was consumed in a period that has since
-    been closed by a roll-over, stays there, and is not taken from the new period (which must not go
-    negative). The entry records what was applied and says when part of the decrease stayed behind.
+
+@dataclass
+class Postings:
+    """The balance moves (with their entries), new rows and reservation update of one use case, written
+    together by ``flush`` in ONE statement: the accounts are locked in ascending order inside it.
+
+    A move applies the same deltas to every held account. A decrease of consumed tokens (a refund or a
+    downward correction) is limited, per account, to what this reservation posted into the account's current
+    period: the rest was consumed in a period since closed by a roll-over, stays there, and is not taken from
+    the new period (which must not go negative); its entry says when part of the decrease stayed behind.
     """
-    if not any((input_reserved, output_reserved, input_consumed, output_consumed, in_flight)):
-        return
-    # Locked (ascending, after the reservation row): a roll-over cannot slip between this read and the update.
-    periods = locks.lock_account_periods(account_ids)
-    posted: dict[int, tuple[int, int]] = {}
-    if input_consumed < 0 or output_consumed < 0:
+
+    reservation: Reservation
+    account_ids: list[int]
+    moves: list[_Move] = field(default_factory=list)
+    inserts: list[models.Model] = field(default_factory=list)
+
+    def move(
+        self,
+        kind: str,
+        *,
+        reason: str = "",
+        input_reserved: int = 0,
+        output_reserved: int = 0,
+        input_consumed: int = 0,
+        output_consumed: int = 0,
+        in_flight: int = 0,
+    ) -> None:
+        amounts = (input_reserved, output_reserved, input_consumed, output_consumed, in_flight)
+        if not any(amounts):
+            return
+        if input_consumed >= 0 and output_consumed >= 0:
+            self.moves.append(_Move(kind, reason[:300], dict.fromkeys(self.account_ids, amounts)))
+            return
+        # What was posted so far must be written before it can be counted: the rare decrease costs statements.
+        self.flush(save=False)
+        periods = locks.lock_account_periods(self.account_ids)
+        posted: dict[int, tuple[int, int]] = {}
         for row in (
-            LedgerEntry.objects.filter(reservation=reservation, account_id__in=account_ids)
+            LedgerEntry.objects.filter(reservation=self.reservation, account_id__in=self.account_ids)
             .values("account_id", "period_start")
             .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"))
         ):
             if row["period_start"] == periods[row["account_id"]]:
                 posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0)
-    entries = []
-    for account_id in sorted(account_ids):
-        in_consumed, out_consumed = input_consumed, output_consumed
-        if input_consumed < 0:
-            in_consumed = max(input_consumed, -posted.get(account_id, (0, 0))[0])
-        if output_consumed < 0:
-            out_consumed = max(output_consumed, -posted.get(account_id, (0, 0))[1])
-        if not any((input_reserved, output_reserved, in_consumed, out_consumed, in_flight)):
-            continue
-        CapacityAccount.objects.filter(pk=account_id).update(
-            input_reserved=F("input_reserved") + input_reserved,
-            output_reserved=F("output_reserved") + output_reserved,
-            input_consumed=F("input_consumed") + in_consumed,
-            output_consumed=F("output_consumed") + out_consumed,
-            in_flight=F("in_flight") + in_flight,
-        )
-        closed = (in_consumed, out_consumed) != (input_consumed, output_consumed)
-        note = " (part of the decrease belongs to a closed period)" if closed else ""
-        entries.append(
-            LedgerEntry(
-                account_id=account_id,
-                reservation=reservation,
-                kind=kind,
-                input_reserved=input_reserved,
-                output_reserved=output_reserved,
-                input_consumed=in_consumed,
-                output_consumed=out_consumed,
-                in_flight=in_flight,
-                period_start=periods[account_id],
-                reason=(reason + note)[:300],
+        for account_id in self.account_ids:
+            done_in, done_out = posted.get(account_id, (0, 0))
+            in_consumed = max(input_consumed, -done_in) if input_consumed < 0 else input_consumed
+            out_consumed = max(output_consumed, -done_out) if output_consumed < 0 else output_consumed
+            applied = (input_reserved, output_reserved, in_consumed, out_consumed, in_flight)
+            if not any(applied):
+                continue
+            closed = (in_consumed, out_consumed) != (input_consumed, output_consumed)
+            note = " (part of the decrease belongs to a closed period)" if closed else ""
+            self.moves.append(_Move(kind, (reason + note)[:300], {account_id: applied}))
+
+    def insert(self, row: models.Model) -> None:
+        """A new row written by the same statement (a usage event, a top-up)."""
+        self.inserts.append(row)
+
+    def flush(self, *, save: bool = True, within_limits: bool = False) -> set[int]:
+        """Write everything pending (and, with ``save``, the reservation's row) in one statement; return the
+        accounts whose balances moved. With ``within_limits`` a move is applied only where every limit still
+        holds after it; the caller rolls the transaction back when an account is missing."""
+        parts: list[tuple[str, list[object]]] = []
+        if save:
+            parts.append(_update_sql(self.reservation))
+        parts.extend(_insert_sql(row) for row in self.inserts)
+        rows = [
+            (order, account_id, move.kind, move.reason, *amounts)
+            for order, move in enumerate(self.moves)
+            for account_id, amounts in sorted(move.deltas.items())
+        ]
+        self.moves, self.inserts = [], []
+        if not parts and not rows:
+            return set()
+        ctes = [f"w{n} AS ({sql})" for n, (sql, _) in enumerate(parts)]
+        params: list[Any] = [value for _, values in parts for value in values]
+        moved = "SELECT 1 WHERE false"
+        if rows:
+            values = ", ".join(
+                ["(%s::int, %s::bigint, %s, %s, %s::bigint, %s::bigint, %s::bigint, %s::bigint, %s::int)"]
+                * len(rows)
             )
-        )
-    LedgerEntry.objects.bulk_create(entries)
+            ctes.append(f"m(ord, account_id, kind, reason, ir, orr, ic, oc, fl) AS (VALUES {values})")
+            params.extend(value for row in rows for value in row)
+            ctes.append(_MOVES_SQL.format(limits=_MOVE_WITHIN_LIMITS if within_limits else ""))
+            params.append(self.reservation.pk)
+            moved = "SELECT id FROM upd"
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"WITH {', '.join(ctes)} SELECT COALESCE(array_agg(id), '{{}}') FROM ({moved}) AS x(id)",
+                params,
+            )
+            (ids,) = cursor.fetchone()
+        return set(ids)
+
+
+# The moves of one flush: accounts locked in ascending id order, balances moved by the sum of the moves, one
+# entry per move and account (in the moves' order, so entry ids follow what happened).
+_MOVES_SQL = """
+locked AS (
+    SELECT id, period_start FROM ledger_capacityaccount
+     WHERE id IN (SELECT account_id FROM m) ORDER BY id FOR UPDATE),
+sums AS (
+    SELECT account_id, sum(ir) AS ir, sum(orr) AS orr, sum(ic) AS ic, sum(oc) AS oc, sum(fl) AS fl
+      FROM m GROUP BY account_id),
+upd AS (
+    UPDATE ledger_capacityaccount AS a
+       SET input_reserved = a.input_reserved + s.ir, output_reserved = a.output_reserved + s.orr,
+           input_consumed = a.input_consumed + s.ic, output_consumed = a.output_consumed + s.oc,
+           in_flight = a.in_flight + s.fl
+      FROM sums AS s JOIN locked AS l ON l.id = s.account_id
+     WHERE a.id = s.account_id {limits}
+    RETURNING a.id),
+ent AS (
+    INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
+        input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
+    SELECT m.account_id, %s, m.kind, m.ir, m.orr, m.ic, m.oc, m.fl, l.period_start, m.reason, '', now()
+      FROM m JOIN locked AS l ON l.id = m.account_id ORDER BY m.ord, m.account_id)
+"""
+# A top-up holds more output: every limit must still hold after it (as for a new hold).
+_MOVE_WITHIN_LIMITS = """
+       AND (a.output_limit IS NULL OR s.orr <= 0
+            OR a.output_reserved + a.output_consumed + s.orr <= a.output_limit)
+"""
+
+
+def _update_sql(reservation: Reservation) -> tuple[str, list[Any]]:
+    """The reservation's UPDATE as ``save()`` would run it (auto_now fields included)."""
+    fields = [f for f in Reservation._meta.concrete_fields if not f.primary_key]
+    query = UpdateQuery(Reservation)
+    query.add_update_fields([(f, None, f.pre_save(reservation, False)) for f in fields])
+    query.add_q(Q(pk=reservation.pk))
+    sql, params = query.get_compiler(connection=connection).as_sql()
+    return sql, list(params)
+
+
+def _insert_sql(row: models.Model) -> tuple[str, list[Any]]:
+    model = type(row)
+    fields = [
+        f for f in model._meta.concrete_fields if not (f.primary_key and getattr(row, f.attname) is None)
+    ]
+    query = InsertQuery(model)
+    query.insert_values(fields, [row])
+    ((sql, params),) = query.get_compiler(connection=connection).as_sql()
+    return sql, list(params)
 
 
 def held_account_ids(reservation: Reservation) -> list[int]:
+    """The accounts a reservation holds on, ascending (read with its lock when ``locks`` annotated them)."""
+    held = getattr(reservation, "held_account_ids", None)
+    if held is not None:
+        return sorted(held)
     return sorted(Hold.objects.filter(reservation=reservation).values_list("account_id", flat=True))
 
 
@@ -108,14 +203,15 @@ def write_entries(
 
 
 def capture(
-    reservation: Reservation,
-    account_ids: list[int],
+    posts: Postings,
     *,
     usage_event_id: str,
     output_tokens: int,
     input_tokens: int | None,
     final: bool,
 ) -> UsageEvent:
+    """Capture one usage delta (the event row is written with the postings)."""
+    reservation = posts.reservation
     if (
         input_tokens is not None
         and reservation.input_reported is not None
@@ -130,7 +226,7 @@ def capture(
         )
     take = min(output_tokens, reservation.remaining)
     over = output_tokens - take
-    event = UsageEvent.objects.create(
+    event = UsageEvent(
         reservation=reservation,
         usage_event_id=usage_event_id,
         input_tokens=input_tokens,
@@ -139,12 +235,11 @@ def capture(
         captured=take,
         overrun=over,
     )
+    posts.insert(event)
     reservation.captured += take
     reservation.remaining -= take
     reservation.overrun += over
-    apply(
-        reservation,
-        account_ids,
+    posts.move(
         EntryKind.POST,
         output_reserved=-take,
         output_consumed=output_tokens,
@@ -154,9 +249,7 @@ def capture(
         # The provider's own count of the input is authoritative for billing: correct what dispatch posted.
         delta = input_tokens - reservation.input_consumed
         reservation.input_consumed = input_tokens
-        apply(
-            reservation,
-            account_ids,
+        posts.move(
             EntryKind.CORRECTION,
             input_consumed=delta,
             reason=f"provider counted {input_tokens} input tokens",
@@ -167,9 +260,8 @@ def capture(
 
 
 def settle(
-    reservation: Reservation,
+    posts: Postings,
     transition: Callable[[], None],
-    account_ids: list[int],
     *,
     reason: str,
     now: datetime,
@@ -179,14 +271,13 @@ def settle(
     """Apply a settling transition (it moves ``remaining`` to ``released``), then release that output
     hold, the concurrency slot and any unposted input hold on every account; refund input when proven
     unprocessed."""
+    reservation = posts.reservation
     remaining = reservation.remaining
     transition()
     slot = -1 if reservation.concurrency_held else 0
     reservation.concurrency_held = False
     reservation.settled_at = now
-    apply(
-        reservation,
-        account_ids,
+    posts.move(
         EntryKind.RELEASE,
         output_reserved=-remaining,
         in_flight=slot,
@@ -194,9 +285,7 @@ def settle(
         reason=reason,
     )
     if refund_input:
-        apply(
-            reservation,
-            account_ids,
+        posts.move(
             EntryKind.CORRECTION,
             input_consumed=-refund_input,
             reason="provider never processed the request: input refunded",
@@ -282,9 +371,9 @@ def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -
     return set(held)
 
 
-def _positional(sql: str, params: dict[str, object]) -> tuple[str, list[object]]:
+def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
     """``%(name)s`` placeholders to ``%s`` with the values in order (a name may repeat)."""
-    values: list[object] = []
+    values: list[Any] = []
 
     def take(match: re.Match[str]) -> str:
         values.append(params[match.group(1)])

@@ -25,7 +25,7 @@ from ledger.models import (
     Reservation,
     State,
 )
-from ledger.services.postings import apply, capture, held_account_ids, settle
+from ledger.services.postings import Postings, capture, held_account_ids, settle
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -114,16 +114,16 @@ def _claim_one_expired(now: datetime, skip: list[uuid.UUID]) -> Claim | uuid.UUI
 def _take_over(reservation: Reservation, now: datetime, db_now: datetime) -> Claim | uuid.UUID:
     reservation.fence += 1
     if reservation.state == State.RESERVED and reservation.dispatched_at is None:
+        posts = Postings(reservation, held_account_ids(reservation))
         settle(
-            reservation,
+            posts,
             reservation.release_undispatched,
-            held_account_ids(reservation),
             reason="lease expired with no dispatch record",
             now=now,
             release_input=reservation.input_reserved,
         )
         reservation.failure_reason = "lease expired before dispatch"
-        reservation.save()
+        posts.flush()
         return reservation.pk
     reservation.freeze_unknown()
     reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
@@ -185,7 +185,7 @@ def settle_from_evidence(
                 assert isinstance(db_now, datetime)
                 if reservation.lease_expires_at is not None and reservation.lease_expires_at > db_now:
                     return None
-            account_ids = held_account_ids(reservation)
+            posts = Postings(reservation, held_account_ids(reservation))
             if evidence.kind == EvidenceKind.NOT_PROCESSED:
                 if reservation.state not in {State.RECONCILING, State.DISPATCHED}:
                     # Usage already started flowing: "never processed" contradicts our record; keep it held.
@@ -211,38 +211,34 @@ def settle_from_evidence(
                         reservation.save()
                     return None
                 settle(
-                    reservation,
+                    posts,
                     transition,
-                    account_ids,
                     now=now,
                     reason=f"{evidence.source}: never processed",
                     refund_input=reservation.input_consumed,
                 )
             else:
-                _post_billed(reservation, account_ids, evidence, now=now)
+                _post_billed(posts, evidence, now=now)
                 settle(
-                    reservation,
+                    posts,
                     reservation.reconcile,
-                    account_ids,
                     now=now,
                     reason=f"{evidence.source}: settled at billed usage",
                 )
-            reservation.save()
+            posts.flush()
             return reservation
 
     return with_retries(attempt)
 
 
-def _post_billed(
-    reservation: Reservation, account_ids: list[int], evidence: Evidence, *, now: datetime
-) -> None:
+def _post_billed(posts: Postings, evidence: Evidence, *, now: datetime) -> None:
     """Bring captured output and consumed input to what was billed, with correcting entries."""
+    reservation = posts.reservation
     recorded = reservation.captured + reservation.overrun
     delta = evidence.output_tokens - recorded
     if delta > 0:
         capture(
-            reservation,
-            account_ids,
+            posts,
             usage_event_id=f"reconcile:{evidence.source}:{now.isoformat()}",
             output_tokens=delta,
             input_tokens=None,
@@ -254,9 +250,7 @@ def _post_billed(
         reservation.overrun -= over_back
         reservation.captured -= captured_back
         reservation.remaining += captured_back
-        apply(
-            reservation,
-            account_ids,
+        posts.move(
             EntryKind.CORRECTION,
             output_consumed=delta,
             output_reserved=captured_back,
@@ -266,9 +260,7 @@ def _post_billed(
         diff = evidence.input_tokens - reservation.input_consumed
         reservation.input_consumed = evidence.input_tokens
         reservation.input_reported = evidence.input_tokens
-        apply(
-            reservation,
-            account_ids,
+        posts.move(
             EntryKind.CORRECTION,
             input_consumed=diff,
             reason=f"{evidence.source}: billed {evidence.input_tokens} input",
@@ -355,13 +347,11 @@ def resolve_for_person(
                     outcome=reservation.outcome or None,
                 )
             before = _resolution_view(reservation)
-            account_ids = held_account_ids(reservation)
+            posts = Postings(reservation, held_account_ids(reservation))
             source = f"resolved by {actor.username} ({resolution}): {reason}"
             if resolution == Resolution.NOT_PROCESSED:
-                _post_billed(
-                    reservation, account_ids, Evidence(EvidenceKind.COMPLETED, 0, 0, source), now=now
-                )
-                settle(reservation, reservation.reconcile_unprocessed, account_ids, now=now, reason=source)
+                _post_billed(posts, Evidence(EvidenceKind.COMPLETED, 0, 0, source), now=now)
+                settle(posts, reservation.reconcile_unprocessed, now=now, reason=source)
             else:
                 billed = (
                     Evidence(EvidenceKind.COMPLETED, input_tokens or 0, output_tokens or 0, source)
@@ -373,9 +363,9 @@ def resolve_for_person(
                         source,
                     )
                 )
-                _post_billed(reservation, account_ids, billed, now=now)
-                settle(reservation, reservation.reconcile, account_ids, now=now, reason=source)
-            reservation.save()
+                _post_billed(posts, billed, now=now)
+                settle(posts, reservation.reconcile, now=now, reason=source)
+            posts.flush()
             record_change(
                 actor=actor,
                 action=f"reservation.resolve.{resolution.lower()}",

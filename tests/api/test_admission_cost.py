@@ -1,5 +1,5 @@
 """The admission path's database cost, counted (deterministic proxies of its latency): one transaction and one
-commit per admission, at most 6 statements for a warm admission."""
+commit per admission, at most 6 statements for a warm admission and 4 for a lifecycle call."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tests.dbwork import DbWork, count_db_work
 pytestmark = pytest.mark.django_db(transaction=True)
 
 MAX_ADMISSION_STATEMENTS = 6
+MAX_LIFECYCLE_STATEMENTS = 4
 
 
 def admit(demo_api, n: int) -> tuple[dict, DbWork]:
@@ -31,3 +32,58 @@ def test_a_warm_admission_is_one_transaction_one_commit_and_few_statements(demo_
     reservation = Reservation.objects.get(pk=body["reservationId"])
     assert reservation.state == State.RESERVED
     assert reservation.manifest_id == body["manifestId"]
+
+
+def one_write_transaction(work: DbWork) -> bool:
+    """Every write of a lifecycle call in one transaction; the reads around it (the authentication's version
+    check, the answer's detail) are single statements of their own."""
+    return work.explicit_commits == 1 and work.rollbacks == 0 and work.autocommit_writes == 0
+
+
+def lifecycle_work(demo_api, path: str, payload: dict) -> DbWork:
+    with count_db_work() as work:
+        res = demo_api.post(path, payload, format="json")
+    assert res.status_code == 200, res.content[:300]
+    return work
+
+
+def test_each_lifecycle_call_is_one_transaction_and_few_statements(demo_api):
+    admit(demo_api, 0)
+    body, _ = admit(demo_api, 1)
+    rid, base = body["reservationId"], f"/api/v1/reservations/{body['reservationId']}"
+    calls = [
+        ("lease", {"fence": 1}),
+        ("dispatch", {"fence": 1, "providerRequestId": f"p-{rid}", "admittedDigest": body["admittedDigest"]}),
+        ("top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10}),
+        ("usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False}),
+        # The provider's input count is ours (exact counting): no correction. A downward correction or refund
+        # costs two statements more (what was posted in the account's period is read first).
+        (
+            "usage",
+            {
+                "fence": 1,
+                "usageEventId": "u2",
+                "outputTokens": 5,
+                "inputTokens": body["tokens"]["input"],
+                "final": True,
+            },
+        ),
+        ("outcome", {"taskSuccess": True, "citedEvidenceIds": ["e1"]}),
+    ]
+    for action, payload in calls:
+        work = lifecycle_work(demo_api, f"{base}/{action}", payload)
+        assert len(work.statements) <= MAX_LIFECYCLE_STATEMENTS, f"{action}: {work.summary()}"
+        assert one_write_transaction(work), f"{action}: {work.summary()}"
+    assert Reservation.objects.get(pk=rid).state == State.SETTLED
+    assert LedgerEntry.objects.filter(reservation_id=rid).exists()
+
+
+def test_cancel_and_fail_are_one_transaction_each(demo_api):
+    admit(demo_api, 0)
+    for n, (action, payload) in enumerate(
+        [("cancel", {"fence": 1}), ("fail", {"fence": 1, "reason": "timeout", "requestSent": False})], start=1
+    ):
+        body, _ = admit(demo_api, n)
+        work = lifecycle_work(demo_api, f"/api/v1/reservations/{body['reservationId']}/{action}", payload)
+        assert len(work.statements) <= MAX_LIFECYCLE_STATEMENTS, f"{action}: {work.summary()}"
+        assert one_write_transaction(work), f"{action}: {work.summary()}"

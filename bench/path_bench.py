@@ -1,0 +1,324 @@
+"""The admission path's cost, every figure of the performance issue in one run, each with its baseline.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
+        .venv/bin/python bench/path_bench.py [--seconds 8] [--server sync|gthread]
+
+In its own database (``<name>_bench``, created, migrated and provisioned with the demo here), it measures:
+  - an 80k-token ``POST /admissions:count`` over HTTP, warm and cold, against a raw ``tokenizers`` batch
+    encode of the same texts (cold: every text new, so both cache layers miss);
+  - a ~20k-token ``POST /admissions`` over HTTP, warm, one client: p50 and p99 against a raw encode of its
+    texts;
+  - admissions/s with 8 clients on one hot tenant, over HTTP and through the service layer, against the raw
+    psycopg transaction of the same shape (``admission_bench.raw_baseline``);
+  - commits, transactions and statements per warm admission and per lifecycle call (counted in-process, as the
+    test suite does).
+The server is gunicorn as ``./platform run`` starts it (sync workers, WEB_CONCURRENCY = 2 × CPUs by default);
+``--server gthread`` measures threaded workers instead. The audit must be clean at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import admission_bench
+from admission_bench import CLIENTS, TOKEN, free_port, prepare, raw_baseline
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = [
+    "supplier",
+    "indemnify",
+    "customer",
+    "losses",
+    "breach",
+    "clause",
+    "notice",
+    "thirty",
+    "days",
+    "liability",
+    "schedule",
+    "termination",
+    "warranty",
+    "invoice",
+    "payment",
+    "delivery",
+    "acceptance",
+    "audit",
+    "confidential",
+    "records",
+    "dispute",
+    "arbitration",
+    "venue",
+]
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def count_body(rng: random.Random, items: int, words: int) -> dict[str, Any]:
+    return {
+        "requestId": "bench-count",
+        "tenantId": "t-internal",
+        "taskClass": "summarize",
+        "modelPool": "eu-large",
+        "modelRevision": "small@2026-05-12",
+        "maxOutput": 800,
+        "components": {
+            "immutableRules": ["Summarise the documents faithfully."],
+            "authorizationScope": {"permissions": ["docs:read"]},
+            "question": {"text": "Summarise the obligations in these documents."},
+            "evidence": [
+                {
+                    "id": f"e{i}",
+                    "sourceId": f"doc-{i}",
+                    "text": text(rng, words),
+                    "score": round(1 - i / (items + 1), 4),
+                    "permissions": ["docs:read"],
+                }
+                for i in range(items)
+            ],
+        },
+    }
+
+
+def texts_of(body: dict[str, Any]) -> list[str]:
+    c = body["components"]
+    return [*c["immutableRules"], c["question"]["text"], *(e["text"] for e in c["evidence"])]
+
+
+def raw_encode_seconds(texts: list[str], rounds: int) -> float:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(
+        str(Path(os.environ.get("TOKENIZER_DIR", ROOT / "var/tokenizers")) / "deepseek_v3.json")
+    )
+    tokenizer.encode_batch(texts[:4])
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        tokenizer.encode_batch(texts, add_special_tokens=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def post(base: str, path: str, body: dict[str, Any], key: str | None = None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    if key:
+        headers["Idempotency-Key"] = key
+    request = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), method="POST", headers=headers
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return response.status, response.read()
+
+
+def timed(call: Callable[[], object], rounds: int) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def serve(url: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    workers = os.environ.get("WEB_CONCURRENCY", str(min(8, 2 * (os.cpu_count() or 1))))
+    model = ["--worker-class", "gthread", "--threads", "4"] if server == "gthread" else []
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "budgeting.wsgi:application",
+            "-b",
+            f"127.0.0.1:{port}",
+            "-w",
+            workers,
+            *model,
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "DATABASE_URL": url},
+        cwd=ROOT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(base + "/api/v1/", timeout=2).read()
+            break
+        except OSError:
+            time.sleep(0.1)
+    return process, base
+
+
+def db_costs() -> dict[str, Any]:
+    """Statements, transactions and commits of one warm admission and of each lifecycle call (in-process)."""
+    from django.test import Client
+
+    from tests.dbwork import count_db_work
+
+    client = Client(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    body = count_body(random.Random(3), 4, 40)
+
+    def admit(n: int) -> tuple[dict[str, Any], Any]:
+        payload = {**body, "requestId": f"cost-{n}-{time.time_ns()}"}
+        with count_db_work() as work:
+            res = client.post(
+                "/api/v1/admissions",
+                payload,
+                content_type="application/json",
+                HTTP_IDEMPOTENCY_KEY=payload["requestId"],
+            )
+        assert res.status_code == 201, res.content[:300]
+        return res.json(), work
+
+    admit(0)
+    admitted, work = admit(1)
+    costs: dict[str, Any] = {
+        "admission": {
+            "statements": len(work.statements),
+            "transactions": work.transactions,
+            "commits": work.commits,
+        }
+    }
+    base = f"/api/v1/reservations/{admitted['reservationId']}"
+    calls = [
+        ("lease", {"fence": 1}),
+        (
+            "dispatch",
+            {
+                "fence": 1,
+                "providerRequestId": f"p-{admitted['reservationId']}",
+                "admittedDigest": admitted["admittedDigest"],
+            },
+        ),
+        ("usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False}),
+        ("usage", {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True}),
+    ]
+    for action, payload in calls:
+        with count_db_work() as work:
+            res = client.post(f"{base}/{action}", payload, content_type="application/json")
+        assert res.status_code == 200, res.content[:300]
+        costs[f"{action}{'-final' if payload.get('final') else ''}"] = {
+            "statements": len(work.statements),
+            "transactions": work.transactions,
+            "commits": work.commits,
+        }
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--server", choices=["sync", "gthread"], default="sync")
+    args = parser.parse_args()
+    url = admission_bench.bench_database_url()
+    prepare(url)
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    from ledger.selectors import audit
+
+    account_ids, tenant_id, refs = admission_bench.hot_shape()  # limits lifted: throughput is measured
+    rng = random.Random(7)
+    big = count_body(rng, 200, 420)
+    admission = count_body(rng, 50, 420)
+    raw_big = raw_encode_seconds(texts_of(big), args.rounds)
+    raw_adm = raw_encode_seconds(texts_of(admission), args.rounds)
+
+    server, base = serve(url, args.server)
+    try:
+        post(base, "/api/v1/admissions:count", big)
+        warm = statistics.median(timed(lambda: post(base, "/api/v1/admissions:count", big), args.rounds))
+        cold = statistics.median(
+            timed_each(
+                [count_body(random.Random(1000 + n), 200, 420) for n in range(args.rounds)],
+                lambda body: post(base, "/api/v1/admissions:count", body),
+            )
+        )
+        tokens = json.loads(post(base, "/api/v1/admissions:count", big)[1])["tokens"]["input"]
+        counter = iter(range(10**9))
+
+        def admit_one() -> None:
+            n = next(counter)
+            status, _ = post(base, "/api/v1/admissions", {**admission, "requestId": f"adm-{n}"}, f"adm-{n}")
+            assert status == 201, status
+
+        admit_one()
+        single = sorted(timed(admit_one, max(50, args.rounds * 10)))
+        p50, p99 = statistics.median(single), single[int(len(single) * 0.99) - 1]
+        counted = post(base, "/api/v1/admissions:count", {**admission, "requestId": "adm-count"})[1]
+        admission_tokens = json.loads(counted)["tokens"]["input"]
+        http = admission_bench.http_throughput(base, args.seconds)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    raw_tx = raw_baseline(url, args.seconds, account_ids, tenant_id, refs)
+    service = admission_bench.service_throughput(args.seconds)
+    costs = db_costs()
+    report = audit()
+    ms = "{:.1f} ms".format
+    per_s = "{}/s".format
+    rate = {"HTTP": http["admissions_per_s"], "service": service["admissions_per_s"]}
+    rows = [
+        ("warm HTTP count ÷ raw encode", ms(warm * 1000), ms(raw_big * 1000), warm / raw_big, "≤ 0.2"),
+        ("cold HTTP count ÷ raw encode", ms(cold * 1000), ms(raw_big * 1000), cold / raw_big, "≤ 1.3"),
+        ("admission p50 ÷ raw encode", ms(p50 * 1000), ms(raw_adm * 1000), p50 / raw_adm, "≤ 0.4"),
+        ("admission p99 ÷ raw encode", ms(p99 * 1000), ms(raw_adm * 1000), p99 / raw_adm, "≤ 1.0"),
+    ] + [
+        (
+            f"{name} admissions/s ÷ raw psycopg",
+            per_s(value),
+            per_s(raw_tx["admissions_per_s"]),
+            value / raw_tx["admissions_per_s"],
+            goal,
+        )
+        for (name, value), goal in zip(rate.items(), ("≥ 0.5", "≥ 0.8"), strict=True)
+    ]
+    print(
+        f"server: gunicorn {args.server}; count request {tokens} tokens; admission {admission_tokens} "
+        f"tokens; {CLIENTS} clients for throughput"
+    )
+    print(f"{'figure':34} {'measured':>12} {'baseline':>12} {'ratio':>7}  goal")
+    for name, measured, baseline, ratio, goal in rows:
+        print(f"{name:34} {measured:>12} {baseline:>12} {ratio:7.2f}  {goal}")
+    a = costs.pop("admission")
+    for name, value, goal in (
+        ("commits per admission", a["commits"], "1"),
+        ("transactions per admission", a["transactions"], "≤ 2"),
+        ("statements per warm admission", a["statements"], "≤ 6"),
+        *((f"statements: {call}", cost["statements"], "≤ 4") for call, cost in costs.items()),
+    ):
+        print(f"{name:34} {value:>12} {'':>12} {'':>7}  {goal}")
+    print(f"p99 of the throughput runs: HTTP {http['p99_ms']} ms, service {service['p99_ms']} ms")
+    print(f"audit after the run: {'clean' if report.ok else report.violations + report.leaks}")
+
+
+def timed_each(items: list[Any], call: Callable[[Any], object]) -> list[float]:
+    times = []
+    for item in items:
+        start = time.perf_counter()
+        call(item)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+if __name__ == "__main__":
+    main()
