@@ -226,12 +226,11 @@ LEASE = {"LEASE_SECONDS": "3", "WEB_CONCURRENCY": str(WEB_WORKERS)}
 
 
 def test_the_platform_survives_each_process_being_killed_under_traffic(
-    answers: Answers, simulator: Simulator
+    answers: Answers, sim: Simulator
 ) -> None:
     with running_launcher(**LEASE) as launcher:
-        run_chaos(
-            launcher, simulator, answers, Chaos(gateways=4, provider_fault_rate=0.0, rounds=1, steady_s=1)
-        )
+        chaos = Chaos(gateways=4, provider_fault_rate=0.0, rounds=1, steady_s=1)
+        run_chaos(launcher, sim, answers, chaos)
 
 
 @pytest.mark.chaos_long
