@@ -6,7 +6,7 @@ import logging.config
 import os
 
 from celery import Celery
-from celery.signals import setup_logging
+from celery.signals import beat_init, setup_logging, worker_process_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
 
@@ -34,3 +34,13 @@ def use_django_logging(**kwargs: object) -> None:
     from django.conf import settings
 
     logging.config.dictConfig(settings.LOGGING)
+
+
+@worker_process_init.connect(weak=False)
+@beat_init.connect(weak=False)
+def start_tracing(**kwargs: object) -> None:
+    """Tracing (if configured) starts in each worker process after the fork: an exporter's thread does not
+    survive one."""
+    from budgeting.observability import tracing
+
+    tracing.start()

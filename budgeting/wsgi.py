@@ -4,6 +4,10 @@ import os
 
 from django.core.wsgi import get_wsgi_application
 
+from budgeting.observability import tracing
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
 
+# Before Django loads its middleware: the Django instrumentation adds its own (only if tracing is configured).
+tracing.start()
 application = get_wsgi_application()

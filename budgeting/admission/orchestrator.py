@@ -20,7 +20,7 @@ from budgeting.admission.request import AdmissionRequest
 from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, Unavailable, Unprocessable
 from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.catalog.snapshot import Caller, Resolved
-from budgeting.observability import metrics
+from budgeting.observability import metrics, tracing
 from ladder.components import ComponentError, Components, Limits
 from ladder.counting import CountingUnavailable, rendered_digest
 from ladder.decide import ESTIMATOR_REVISION, decide
@@ -99,20 +99,28 @@ def _resolve(caller: Caller, request: AdmissionRequest) -> Context:
 def _run_ladder(ctx: Context) -> Decision:
     r = ctx.resolved
     started = time.perf_counter()
-    try:
-        decision = decide(
-            ctx.components,
-            request_id=ctx.request.request_id,
-            model=r.model_spec,
-            requested_max_output=ctx.request.max_output,
-            task_policy=r.task_policy,
-            global_cap=r.global_cap,
-            fallback_models=r.fallback_specs,
-            counter_for=ctx.caller.snapshot.counter_for,
-            cache=count_cache().under_policy(r.policy_revision),
+    with tracing.span("admission.ladder") as span:
+        try:
+            decision = decide(
+                ctx.components,
+                request_id=ctx.request.request_id,
+                model=r.model_spec,
+                requested_max_output=ctx.request.max_output,
+                task_policy=r.task_policy,
+                global_cap=r.global_cap,
+                fallback_models=r.fallback_specs,
+                counter_for=lambda spec: tracing.TracedCounter(ctx.caller.snapshot.counter_for(spec)),
+                cache=count_cache().under_policy(r.policy_revision),
+            )
+        except CountingUnavailable as exc:
+            raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None
+        span.set_attributes(
+            {
+                "tokenbudget.rung": decision.rung,
+                "tokenbudget.decision": decision_label(decision),
+                "tokenbudget.input_tokens": 0 if decision.count is None else decision.count.total,
+            }
         )
-    except CountingUnavailable as exc:
-        raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None
     metrics.observe_ladder_latency(time.perf_counter() - started)
     return decision
 
@@ -282,15 +290,22 @@ def admit(
 ) -> Result:
     """POST /admissions: decide, and (in ENFORCE) reserve, recording the manifest. Raises DomainError.
 
-    Its latency is observed per rung (``REJECTED`` for a refusal) for the metrics.
+    Its latency is observed per rung (``REJECTED`` for a refusal) for the metrics; its span carries
+    identifiers and the answer's code, never the request's text.
     """
     started = time.perf_counter()
-    try:
-        result = _admit(caller=caller, request=request, raw=raw, idempotency_key=idempotency_key, now=now)
-    except DomainError:
-        metrics.observe_admission_latency(time.perf_counter() - started, "REJECTED")
-        raise
-    metrics.observe_admission_latency(time.perf_counter() - started, str(result.body.get("rung", "NONE")))
+    names = {"tokenbudget.tenant": request.tenant_id, "tokenbudget.task_class": request.task_class}
+    with tracing.span("admission", names) as span:
+        try:
+            result = _admit(caller=caller, request=request, raw=raw, idempotency_key=idempotency_key, now=now)
+        except DomainError as exc:
+            metrics.observe_admission_latency(time.perf_counter() - started, "REJECTED")
+            span.set_attributes({"tokenbudget.answer": exc.code, "tokenbudget.rung": "REJECTED"})
+            raise
+        rung = str(result.body.get("rung", "NONE"))
+        metrics.observe_admission_latency(time.perf_counter() - started, rung)
+        answer = str(result.body.get("decision") or result.body.get("state") or result.status)
+        span.set_attributes({"tokenbudget.answer": answer, "tokenbudget.rung": rung})
     return result
 
 
@@ -357,16 +372,18 @@ def _admit(
         request_body={"decisionBody": body},
     )
     try:
-        admitted = ledger_admission.reserve(
-            spec=spec,
-            build_body=lambda res: _first_body(res, body),
-            now=now,
-            db_now=caller.db_now,
-            catalog_version=caller.snapshot.version,
-            record=lambda state: _record(
-                manifest, Answer.QUEUED if state == State.PROPOSED else Answer.RESERVED
-            ),
-        )
+        with tracing.span("admission.reserve") as span:
+            admitted = ledger_admission.reserve(
+                spec=spec,
+                build_body=lambda res: _first_body(res, body),
+                now=now,
+                db_now=caller.db_now,
+                catalog_version=caller.snapshot.version,
+                record=lambda state: _record(
+                    manifest, Answer.QUEUED if state == State.PROPOSED else Answer.RESERVED
+                ),
+            )
+            span.set_attribute("tokenbudget.state", admitted.reservation.state)
     except QuotaExceeded:
         # The ladder admitted it; the ledger did not (nothing was written). The manifest says so.
         manifest.pk = None

@@ -193,10 +193,11 @@ class Calls:
         self._post(ticket, "lease", {})
 
     def _post_admission(self, request: AdmissionRequest) -> ApiResponse:
+        headers = {"Idempotency-Key": request.idempotency_key}
+        if request.traceparent:
+            headers["traceparent"] = request.traceparent
         try:
-            return self._api.request(
-                "POST", ADMISSIONS_PATH, request.body, {"Idempotency-Key": request.idempotency_key}
-            )
+            return self._api.request("POST", ADMISSIONS_PATH, request.body, headers)
         except ApiError as exc:
             # Our 5xx are outages as far as the proxy's client is concerned: retry later.
             status = exc.status if exc.status < 500 else 503

@@ -23,7 +23,8 @@ The caller adds what a chat request cannot say in ``metadata.tokenbudget`` (the 
 shape), ``authorizationScope`` (else the group's), ``trustedState`` and ``compactions``. The tenant is
 the one the key's team maps to (``tenantByTeam``, by team id or alias) — a caller naming another tenant is
 refused — else the caller's, else the group's. The task class is the caller's, else the group's. The
-``requestId`` defaults to the proxy's call id and is also the ``Idempotency-Key``.
+``requestId`` defaults to the proxy's call id and is also the ``Idempotency-Key``. A ``traceparent``
+header on the proxy's request (W3C Trace Context) is sent on the admission, so our spans join its trace.
 
 Only text content is mapped: an image, audio or file part is refused (an image's token cost needs its
 size, which a URL does not give). ``n`` must be 1: a reservation covers one completion.
@@ -65,10 +66,11 @@ class Caller:
 
 @dataclass(frozen=True)
 class AdmissionRequest:
-    """The admission body and its ``Idempotency-Key``."""
+    """The admission body, its ``Idempotency-Key`` and the caller's ``traceparent`` if it sent one."""
 
     body: dict[str, Any]
     idempotency_key: str
+    traceparent: str | None = None
 
 
 def caller_metadata(data: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -133,7 +135,19 @@ def to_admission(
         "maxOutput": _max_output(data, group),
         "components": components,
     }
-    return AdmissionRequest(body=body, idempotency_key=str(request_id))
+    return AdmissionRequest(body=body, idempotency_key=str(request_id), traceparent=_traceparent(data))
+
+
+def _traceparent(data: Mapping[str, Any]) -> str | None:
+    """The ``traceparent`` header of the request the proxy received (its headers, any case)."""
+    received = data.get("proxy_server_request")
+    headers = received.get("headers") if isinstance(received, Mapping) else None
+    if not isinstance(headers, Mapping):
+        return None
+    for name, value in headers.items():
+        if isinstance(name, str) and name.lower() == "traceparent" and isinstance(value, str):
+            return value
+    return None
 
 
 def apply_admitted(data: dict[str, Any], payload: Any, max_output: int) -> None:
