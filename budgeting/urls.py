@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
-from budgeting.api import views
+from budgeting.api import openapi, problem_pages, views
 from budgeting.backoffice.reports import views as report_views
 from budgeting.observability import metrics
 
@@ -11,6 +11,7 @@ R = "api/v1/reservations/<str:reservation_id>"
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", views.IndexView.as_view(), name="api-index"),
+    path("problems/<str:slug>", problem_pages.problem_page, name="problem"),
     path("api/v1/admissions", views.AdmissionView.as_view(), name="admissions"),
     path("api/v1/admissions:count", views.CountView.as_view(), name="admissions-count"),
     path(R, views.ReservationView.as_view(), name="reservation"),
@@ -23,7 +24,11 @@ urlpatterns = [
     path(f"{R}/outcome", views.OutcomeView.as_view(), name="reservation-outcome"),
     path(
         "api/v1/schema",
-        SpectacularAPIView.as_view(authentication_classes=[], permission_classes=[]),
+        SpectacularAPIView.as_view(
+            authentication_classes=[],
+            permission_classes=[],
+            custom_settings={"POSTPROCESSING_HOOKS": openapi.POSTPROCESSING_HOOKS},
+        ),
         name="schema",
     ),
 ]

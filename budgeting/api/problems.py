@@ -67,7 +67,7 @@ def status_of(error: DomainError) -> int:
 
 def problem_body(error: DomainError) -> dict[str, Any]:
     return {
-        "type": f"https://errors.token-budget.invalid/{error.code.lower().replace('_', '-')}",
+        "type": f"/problems/{error.code.lower().replace('_', '-')}",
         "title": error.title,
         "status": status_of(error),
         "code": error.code,

@@ -134,3 +134,257 @@ class AdmissionIn(StrictSerializer):
     maxOutput = StrictInteger(min_value=1, max_value=MAX_TOKENS)
     clientEstimate = ClientEstimateIn(required=False)
     estimatorRevision = StrictString(max_length=100, required=False)
+
+
+# Output serializers: the views answer dicts built by the services; these classes only describe those bodies
+# in the OpenAPI document. tests/api/test_openapi.py validates real answers against them, so a body that
+# changes without its serializer fails there.
+
+
+class TokensOut(serializers.Serializer):
+    input = serializers.IntegerField(allow_null=True, help_text="counted input tokens (null if not counted)")
+    maxOutput = serializers.IntegerField()
+    buckets = serializers.DictField(child=serializers.IntegerField(), help_text="input tokens per bucket")
+
+
+class BudgetOut(serializers.Serializer):
+    input = serializers.IntegerField(allow_null=True)
+    maxOutput = serializers.IntegerField()
+    contextWindow = serializers.IntegerField()
+
+
+class RemovedOut(serializers.Serializer):
+    id = serializers.CharField()
+    bucket = serializers.CharField()
+    reason = serializers.CharField()
+    rung = serializers.CharField(allow_null=True)
+    detail = serializers.CharField(allow_blank=True)
+
+
+class CandidateOut(serializers.Serializer):
+    modelId = serializers.CharField()
+    failed = serializers.ListField(child=serializers.CharField())
+    tokens = serializers.IntegerField(allow_null=True)
+    budget = serializers.IntegerField(allow_null=True)
+
+
+class StepOut(serializers.Serializer):
+    rung = serializers.CharField()
+    removedIds = serializers.ListField(child=serializers.CharField())
+    replacedIds = serializers.ListField(child=serializers.CharField())
+    addedIds = serializers.ListField(child=serializers.CharField())
+    reason = serializers.CharField(allow_blank=True)
+    tokensBefore = serializers.IntegerField()
+    tokensAfter = serializers.IntegerField()
+    modelId = serializers.CharField()
+    candidates = CandidateOut(many=True)
+
+
+class ClientEstimateOut(serializers.Serializer):
+    inputTokens = serializers.IntegerField()
+    deviation = serializers.IntegerField(allow_null=True, help_text="client estimate minus our count")
+
+
+class MessageOut(serializers.Serializer):
+    role = serializers.CharField()
+    content = serializers.ListField(child=serializers.DictField(), help_text="content parts, e.g. text")
+
+
+class PayloadOut(serializers.Serializer):
+    """The provider payload to send (OpenAI chat-completions shape)."""
+
+    messages = MessageOut(many=True)
+    tools = serializers.ListField(child=serializers.DictField(), required=False)
+    model = serializers.CharField()
+    max_tokens = serializers.IntegerField()
+
+
+class DecisionOut(serializers.Serializer):
+    """The ladder's decision, as admit and count answer it."""
+
+    requestId = serializers.CharField()
+    decision = serializers.CharField(help_text="ADMITTED, DEGRADED, or the rejection's code")
+    fits = serializers.BooleanField()
+    rung = serializers.CharField(allow_null=True)
+    tokens = TokensOut()
+    countMethod = serializers.CharField(allow_null=True)
+    renderedDigest = serializers.CharField(help_text="digest of the full (not degraded) payload")
+    budget = BudgetOut()
+    modelRevision = serializers.CharField()
+    removed = RemovedOut(many=True)
+    excluded = RemovedOut(many=True)
+    admittedDigest = serializers.CharField(allow_null=True, help_text="digest of the payload to send")
+    tokenizerDigest = serializers.CharField()
+    policyRevision = serializers.IntegerField()
+    steps = StepOut(many=True)
+    clientEstimate = ClientEstimateOut(allow_null=True)
+    code = serializers.CharField(required=False, allow_null=True, help_text="only when it does not fit")
+    detail = serializers.CharField(required=False, allow_null=True, allow_blank=True)
+    minimumTokensNeeded = serializers.IntegerField(required=False, allow_null=True)
+    rungsTried = serializers.ListField(child=serializers.CharField(), required=False)
+    recommendations = serializers.ListField(child=serializers.CharField(), required=False)
+
+
+class CountOut(DecisionOut):
+    payload = PayloadOut(required=False, help_text="only with ?include=payload")
+
+
+class ReservedOut(serializers.Serializer):
+    input = serializers.IntegerField()
+    output = serializers.IntegerField()
+    concurrency = serializers.IntegerField()
+
+
+class LeaseOut(serializers.Serializer):
+    fence = serializers.IntegerField()
+    expiresAt = serializers.DateTimeField(allow_null=True)
+
+
+class AdmittedOut(DecisionOut):
+    """201 (and 200 when an Idempotency-Key is replayed): admitted and reserved; send ``payload``."""
+
+    payload = PayloadOut()
+    mode = serializers.CharField()
+    reservationId = serializers.UUIDField()
+    state = serializers.CharField()
+    reserved = ReservedOut()
+    lease = LeaseOut()
+    manifestId = serializers.IntegerField(allow_null=True)
+
+
+class ProblemOut(serializers.Serializer):
+    """RFC 9457 problem details; a problem may carry further fields of its own."""
+
+    type = serializers.CharField(help_text="a page documenting the code: /problems/<code>")
+    title = serializers.CharField()
+    status = serializers.IntegerField()
+    code = serializers.CharField()
+    detail = serializers.CharField(allow_blank=True)
+
+
+class ShadowOut(DecisionOut):
+    """200 in SHADOW mode: the decision is recorded, nothing is held, the request goes unchanged."""
+
+    mode = serializers.CharField()
+    manifestId = serializers.IntegerField()
+    payload = PayloadOut()
+    note = serializers.CharField()
+    wouldReject = ProblemOut(required=False, help_text="the problem ENFORCE would have answered")
+
+
+class QueuedOut(serializers.Serializer):
+    """202: waiting in the queue; poll ``poll`` after Retry-After seconds."""
+
+    reservationId = serializers.UUIDField()
+    state = serializers.CharField()
+    queuePosition = serializers.IntegerField(allow_null=True)
+    queueDeadline = serializers.DateTimeField(allow_null=True)
+    poll = serializers.CharField()
+    reason = serializers.CharField(allow_blank=True, allow_null=True)
+    manifestId = serializers.IntegerField(allow_null=True)
+
+
+class InputOut(serializers.Serializer):
+    reserved = serializers.IntegerField()
+    consumed = serializers.IntegerField()
+    reported = serializers.IntegerField(allow_null=True)
+
+
+class OutputOut(serializers.Serializer):
+    reserved = serializers.IntegerField()
+    topUps = serializers.IntegerField()
+    captured = serializers.IntegerField()
+    remaining = serializers.IntegerField()
+    released = serializers.IntegerField()
+    overrun = serializers.IntegerField()
+
+
+class UsageEventOut(serializers.Serializer):
+    usageEventId = serializers.CharField()
+    inputTokens = serializers.IntegerField(allow_null=True)
+    outputTokens = serializers.IntegerField()
+    final = serializers.BooleanField()
+    captured = serializers.IntegerField()
+    overrun = serializers.IntegerField()
+    at = serializers.DateTimeField()
+
+
+class LedgerEntryOut(serializers.Serializer):
+    id = serializers.IntegerField()
+    account = serializers.IntegerField()
+    kind = serializers.CharField()
+    inputReserved = serializers.IntegerField()
+    outputReserved = serializers.IntegerField()
+    inputConsumed = serializers.IntegerField()
+    outputConsumed = serializers.IntegerField()
+    inFlight = serializers.IntegerField()
+    reason = serializers.CharField(allow_blank=True)
+    at = serializers.DateTimeField()
+
+
+class HoldOut(serializers.Serializer):
+    account = serializers.IntegerField()
+    scope = serializers.CharField()
+    # The metaclass takes declared fields out of the class, so this does not shadow Field.label at run time.
+    label = serializers.CharField()  # type: ignore[assignment]
+
+
+class ManifestSummaryOut(serializers.Serializer):
+    id = serializers.IntegerField()
+    decision = serializers.CharField()
+    rung = serializers.CharField(allow_null=True)
+    policyRevision = serializers.IntegerField(allow_null=True)
+    countMethod = serializers.CharField(allow_null=True)
+    inputTokens = serializers.IntegerField(allow_null=True)
+
+
+class ReservationOut(serializers.Serializer):
+    """A reservation (SPEC §8): what it holds, what was used, its lease, events, ledger entries and holds."""
+
+    reservationId = serializers.UUIDField()
+    requestId = serializers.CharField()
+    tenantId = serializers.CharField()
+    taskClass = serializers.CharField()
+    modelPool = serializers.CharField()
+    modelRevision = serializers.CharField()
+    state = serializers.CharField()
+    outcome = serializers.CharField(allow_null=True)
+    mode = serializers.CharField()
+    rung = serializers.CharField(allow_null=True)
+    policyRevision = serializers.IntegerField(allow_null=True)
+    input = InputOut()
+    output = OutputOut()
+    concurrencyHeld = serializers.BooleanField()
+    providerRequestId = serializers.CharField(allow_null=True)
+    admittedDigest = serializers.CharField(allow_null=True, allow_blank=True)
+    lease = LeaseOut()
+    failureReason = serializers.CharField(allow_null=True)
+    usageEvents = UsageEventOut(many=True)
+    ledgerEntries = LedgerEntryOut(many=True)
+    holds = HoldOut(many=True)
+    manifestId = serializers.IntegerField(allow_null=True)
+    manifest = ManifestSummaryOut(allow_null=True)
+    createdAt = serializers.DateTimeField()
+    dispatchedAt = serializers.DateTimeField(allow_null=True)
+    settledAt = serializers.DateTimeField(allow_null=True)
+    updatedAt = serializers.DateTimeField()
+
+
+class ReservationAppliedOut(ReservationOut):
+    applied = serializers.BooleanField(help_text="false when this event id was already recorded (a repeat)")
+
+
+class EndpointsOut(serializers.Serializer):
+    admit = serializers.CharField()
+    count = serializers.CharField()
+    reservation = serializers.CharField()
+    lifecycle = serializers.ListField(child=serializers.CharField())
+    reports = serializers.CharField()
+
+
+class IndexOut(serializers.Serializer):
+    name = serializers.CharField()
+    version = serializers.CharField()
+    schema = serializers.CharField()
+    authentication = serializers.CharField()
+    endpoints = EndpointsOut()

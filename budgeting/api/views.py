@@ -6,8 +6,13 @@ import uuid
 from typing import Any
 
 from django.utils import timezone
-from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    OpenApiResponse,
+    PolymorphicProxySerializer,
+    extend_schema,
+)
 from rest_framework import serializers as drf_serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -18,10 +23,18 @@ from budgeting.admission.request import AdmissionRequest
 from budgeting.api.problems import problem_body
 from budgeting.api.serializers import (
     AdmissionIn,
+    AdmittedOut,
+    CountOut,
     DispatchIn,
     FailIn,
     FenceIn,
+    IndexOut,
     OutcomeIn,
+    ProblemOut,
+    QueuedOut,
+    ReservationAppliedOut,
+    ReservationOut,
+    ShadowOut,
     TopUpIn,
     UsageIn,
 )
@@ -31,21 +44,65 @@ from budgeting.catalog.snapshot import Caller
 from ledger import selectors
 from ledger.services import lifecycle
 
-ProblemOut = inline_serializer(
-    "Problem",
-    {
-        "type": drf_serializers.CharField(),
-        "title": drf_serializers.CharField(),
-        "status": drf_serializers.IntegerField(),
-        "code": drf_serializers.CharField(),
-        "detail": drf_serializers.CharField(),
-    },
-)
 ERRORS: dict[Any, Any] = {
     (status, "application/problem+json"): ProblemOut
     for status in (400, 401, 404, 409, 413, 415, 422, 429, 503)
 }
-AnyObject = OpenApiTypes.OBJECT
+LIFECYCLE_ERRORS = (
+    " Answers the reservation as GET does. A stale `fence` or a call out of order is 409; an unknown "
+    "reservation, or one of another tenant, 404."
+)
+EXAMPLE_REQUEST = {
+    "requestId": "req-74d1",
+    "tenantId": "t-19",
+    "taskClass": "contract-review",
+    "modelPool": "eu-large",
+    "modelRevision": "model@2026-07-01",
+    "maxOutput": 1600,
+    "components": {
+        "immutableRules": ["Never reveal another tenant's documents."],
+        "authorizationScope": {"permissions": ["contracts:read"]},
+        "question": {"text": "Does clause 7 allow termination?"},
+        "evidence": [
+            {
+                "id": "e1",
+                "sourceId": "doc-1",
+                "text": "Clause 7: either party may terminate with 30 days notice.",
+                "score": 0.9,
+                "permissions": ["contracts:read"],
+            }
+        ],
+    },
+}
+_EXAMPLE_DECISION = {
+    "requestId": "req-74d1",
+    "decision": "ADMITTED",
+    "fits": True,
+    "rung": "FULL",
+    "tokens": {
+        "input": 96,
+        "maxOutput": 1600,
+        "buckets": {"immutableRules": 14, "question": 11, "evidence": 29},
+    },
+    "countMethod": "EXACT",
+    "renderedDigest": "sha256:" + "0" * 64,
+    "budget": {"input": 14784, "maxOutput": 1600, "contextWindow": 16384},
+    "modelRevision": "model@2026-07-01",
+    "removed": [],
+    "excluded": [],
+    "admittedDigest": "sha256:" + "0" * 64,
+    "tokenizerDigest": "sha256:" + "1" * 64,
+    "policyRevision": 3,
+    "steps": [],
+    "clientEstimate": None,
+}
+_EXAMPLE_PAYLOAD = {
+    "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Never reveal another tenant's documents."}]}
+    ],
+    "model": "model@2026-07-01",
+    "max_tokens": 1600,
+}
 
 
 class TenantScopedView(APIView):
@@ -84,7 +141,12 @@ class IndexView(APIView):
     authentication_classes: list[type] = []
     permission_classes: list[type] = []
 
-    @extend_schema(responses={200: AnyObject}, operation_id="apiIndex")
+    @extend_schema(
+        responses={200: IndexOut},
+        operation_id="apiIndex",
+        summary="What the API offers",
+        description="The operations of v1 and where the OpenAPI document is; needs no token.",
+    )
     def get(self, request: Request) -> Response:
         reservation = "/api/v1/reservations/{id}"
         return Response(
@@ -110,8 +172,56 @@ class IndexView(APIView):
 class AdmissionView(TenantScopedView):
     @extend_schema(
         request=AdmissionIn,
-        responses={200: AnyObject, 201: AnyObject, 202: AnyObject, **ERRORS},
+        responses={
+            200: OpenApiResponse(
+                PolymorphicProxySerializer(
+                    component_name="AdmissionOk",
+                    serializers=[AdmittedOut, ShadowOut],
+                    resource_type_field_name=None,
+                ),
+                description="an admitted Idempotency-Key replayed (Idempotent-Replayed), or SHADOW mode",
+            ),
+            201: OpenApiResponse(AdmittedOut, description="admitted and reserved: send `payload`"),
+            202: OpenApiResponse(QueuedOut, description="queued: poll `poll` after Retry-After seconds"),
+            **ERRORS,
+        },
         operation_id="admit",
+        summary="Admit a model call",
+        description=(
+            "Counts the request's components with the model's tokenizer, walks the policy's ladder "
+            "(degrading the request if it must) and, in ENFORCE mode, reserves input, output and concurrency "
+            "on every account that holds it, recording a replayable manifest. Send the answered `payload` to "
+            "the provider, then report dispatch and usage. The same Idempotency-Key with the same request "
+            "answers the first answer again. A request that cannot fit is 422 CONTEXT_BUDGET_EXCEEDED, no "
+            "capacity 429 with Retry-After."
+        ),
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                str,
+                OpenApiParameter.HEADER,
+                required=True,
+                description="at most 200 characters; a retry must repeat the key and the whole request",
+            )
+        ],
+        examples=[
+            OpenApiExample("A contract-review request", value=EXAMPLE_REQUEST, request_only=True),
+            OpenApiExample(
+                "Admitted in full",
+                value={
+                    **_EXAMPLE_DECISION,
+                    "payload": _EXAMPLE_PAYLOAD,
+                    "mode": "ENFORCE",
+                    "reservationId": "eda820e6-3a5f-4d35-a471-380c6653a5d3",
+                    "state": "RESERVED",
+                    "reserved": {"input": 96, "output": 1600, "concurrency": 1},
+                    "lease": {"fence": 1, "expiresAt": "2026-11-30T20:23:15.637743+00:00"},
+                    "manifestId": 1,
+                },
+                response_only=True,
+                status_codes=["201"],
+            ),
+        ],
     )
     def post(self, request: Request) -> Response:
         key = request.headers.get("Idempotency-Key", "")
@@ -135,8 +245,18 @@ class AdmissionView(TenantScopedView):
 class CountView(TenantScopedView):
     @extend_schema(
         request=AdmissionIn,
-        responses={200: AnyObject, **ERRORS},
+        responses={200: CountOut, **ERRORS},
         operation_id="countAdmission",
+        summary="Count and decide without reserving",
+        description=(
+            "The same decision as admit (count, ladder, budget) with nothing reserved or recorded: what "
+            "the request would cost and which rung it would take. The rendered payload only with "
+            "?include=payload."
+        ),
+        examples=[
+            OpenApiExample("A contract-review request", value=EXAMPLE_REQUEST, request_only=True),
+            OpenApiExample("It fits", value=_EXAMPLE_DECISION, response_only=True, status_codes=["200"]),
+        ],
         parameters=[
             OpenApiParameter(
                 "include",
@@ -148,13 +268,28 @@ class CountView(TenantScopedView):
     )
     def post(self, request: Request) -> Response:
         body = AdmissionRequest.from_wire(self.validated(AdmissionIn, request.data))
-        include = {part.strip() for part in request.query_params.get("include", "").split(",")}
+        include = {
+            part.strip() for part in request.query_params.get("include", "").split(",") if part.strip()
+        }
+        if include - {"payload"}:
+            raise InvalidInput(
+                f"include may name only 'payload', not {', '.join(sorted(include - {'payload'}))}",
+                code="INVALID_INCLUDE",
+            )
         result = admission.count(caller=self.caller(), request=body, include_payload="payload" in include)
         return Response(result.body, status=result.status)
 
 
 class ReservationView(TenantScopedView):
-    @extend_schema(responses={200: AnyObject, **ERRORS}, operation_id="getReservation")
+    @extend_schema(
+        responses={200: ReservationOut, **ERRORS},
+        operation_id="getReservation",
+        summary="Read a reservation",
+        description=(
+            "Its state, what it holds and used, its lease, usage events, ledger entries, holds and manifest; "
+            "the poll target of a queued admission."
+        ),
+    )
     def get(self, request: Request, reservation_id: str) -> Response:
         reservation = selectors.reservation_for(_reservation_id(reservation_id), self.tenant_ids())
         if reservation is None:
@@ -171,7 +306,12 @@ class _LifecycleView(TenantScopedView):
 
 class DispatchView(_LifecycleView):
     @extend_schema(
-        request=DispatchIn, responses={200: AnyObject, **ERRORS}, operation_id="dispatchReservation"
+        request=DispatchIn,
+        responses={200: ReservationOut, **ERRORS},
+        operation_id="dispatchReservation",
+        summary="Record the provider call as sent",
+        description="Call it before the provider call: the admitted payload's digest must match."
+        + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
@@ -188,7 +328,14 @@ class DispatchView(_LifecycleView):
 
 
 class UsageView(_LifecycleView):
-    @extend_schema(request=UsageIn, responses={200: AnyObject, **ERRORS}, operation_id="recordUsage")
+    @extend_schema(
+        request=UsageIn,
+        responses={200: ReservationAppliedOut, **ERRORS},
+        operation_id="recordUsage",
+        summary="Report usage",
+        description="Streamed (final false) or final usage; a final report settles the reservation and "
+        "releases what was not used. A repeated usageEventId answers applied false." + LIFECYCLE_ERRORS,
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(UsageIn, request.data)
@@ -209,7 +356,14 @@ class UsageView(_LifecycleView):
 
 
 class TopUpView(_LifecycleView):
-    @extend_schema(request=TopUpIn, responses={200: AnyObject, **ERRORS}, operation_id="topUpReservation")
+    @extend_schema(
+        request=TopUpIn,
+        responses={200: ReservationAppliedOut, **ERRORS},
+        operation_id="topUpReservation",
+        summary="Reserve more output",
+        description="Adds output tokens to a running reservation if the accounts allow it (429 if not); a "
+        "repeated topUpId answers applied false." + LIFECYCLE_ERRORS,
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(TopUpIn, request.data)
@@ -225,7 +379,13 @@ class TopUpView(_LifecycleView):
 
 
 class CancelView(_LifecycleView):
-    @extend_schema(request=FenceIn, responses={200: AnyObject, **ERRORS}, operation_id="cancelReservation")
+    @extend_schema(
+        request=FenceIn,
+        responses={200: ReservationOut, **ERRORS},
+        operation_id="cancelReservation",
+        summary="Cancel before dispatch",
+        description="Releases everything held by a reservation that was never sent." + LIFECYCLE_ERRORS,
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
@@ -236,7 +396,14 @@ class CancelView(_LifecycleView):
 
 
 class FailView(_LifecycleView):
-    @extend_schema(request=FailIn, responses={200: AnyObject, **ERRORS}, operation_id="failReservation")
+    @extend_schema(
+        request=FailIn,
+        responses={200: ReservationOut, **ERRORS},
+        operation_id="failReservation",
+        summary="Report a failed provider call",
+        description='With whether the request reached the provider (true, false or "unknown") and any usage '
+        "seen; what cannot be proved unsent waits for reconciliation." + LIFECYCLE_ERRORS,
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FailIn, request.data)
@@ -262,7 +429,13 @@ class FailView(_LifecycleView):
 
 
 class LeaseView(_LifecycleView):
-    @extend_schema(request=FenceIn, responses={200: AnyObject, **ERRORS}, operation_id="renewLease")
+    @extend_schema(
+        request=FenceIn,
+        responses={200: ReservationOut, **ERRORS},
+        operation_id="renewLease",
+        summary="Renew the lease",
+        description="Extends a long call's lease so the reservation is not reclaimed." + LIFECYCLE_ERRORS,
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
@@ -271,7 +444,14 @@ class LeaseView(_LifecycleView):
 
 
 class OutcomeView(_LifecycleView):
-    @extend_schema(request=OutcomeIn, responses={200: AnyObject, **ERRORS}, operation_id="reportOutcome")
+    @extend_schema(
+        request=OutcomeIn,
+        responses={200: ReservationOut, **ERRORS},
+        operation_id="reportOutcome",
+        summary="Report the task's outcome",
+        description="Whether the task succeeded and which evidence ids the answer cited (quality by rung)."
+        + LIFECYCLE_ERRORS,
+    )
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(OutcomeIn, request.data)

@@ -1,0 +1,136 @@
+"""The served OpenAPI document: typed success bodies, every operation described, the headers declared, real
+answers valid against their declared schemas; the problems' ``type`` pages."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from django.test import Client
+
+from budgeting.api.problem_pages import codes
+from tests.api.test_admissions import request_body
+
+pytestmark = pytest.mark.django_db
+
+
+def served_schema() -> dict[str, Any]:
+    response = Client().get("/api/v1/schema?format=json")
+    assert response.status_code == 200
+    return json.loads(response.content)
+
+
+def operations(schema: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {op["operationId"]: op for item in schema["paths"].values() for op in item.values()}
+
+
+def as_json_schema(node: Any) -> Any:
+    """OpenAPI 3.0's ``nullable`` in JSON Schema terms, so jsonschema reads it."""
+    if isinstance(node, list):
+        return [as_json_schema(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: as_json_schema(value) for key, value in node.items()}
+    if node.pop("nullable", False):
+        return {"anyOf": [node, {"type": "null"}]}
+    return node
+
+
+def validate(schema: dict[str, Any], operation_id: str, status: int, body: Any) -> None:
+    declared = operations(schema)[operation_id]["responses"][str(status)]["content"]["application/json"]
+    root = as_json_schema({**declared["schema"], "components": schema["components"]})
+    jsonschema.Draft202012Validator(root).validate(body)
+
+
+def resolved(schema: dict[str, Any], node: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    return schema["components"]["schemas"][ref.rsplit("/", 1)[1]] if ref else node
+
+
+def test_every_operation_is_described_and_every_success_body_typed():
+    schema = served_schema()
+    ops = operations(schema)
+    assert {"admit", "countAdmission", "getReservation", "recordUsage", "getReport"} <= set(ops)
+    for operation_id, op in ops.items():
+        assert op.get("summary") and op.get("description"), operation_id
+        for status, response in op["responses"].items():
+            if not status.startswith("2"):
+                continue
+            body = resolved(schema, response["content"]["application/json"]["schema"])
+            assert body.get("properties") or body.get("oneOf"), (operation_id, status)
+            assert body.get("additionalProperties") != {}, (operation_id, status)
+    summaries = [op["summary"] for op in ops.values()]
+    assert len(set(summaries)) == len(summaries)
+
+
+def test_headers_and_examples_are_declared():
+    admit = operations(served_schema())["admit"]
+    assert {"name": "Idempotency-Key", "in": "header"}.items() <= admit["parameters"][0].items()
+    assert admit["parameters"][0]["required"] is True
+    assert set(admit["responses"]["202"]["headers"]) >= {"Retry-After", "Idempotent-Replayed"}
+    assert "Idempotent-Replayed" in admit["responses"]["200"]["headers"]
+    assert "Retry-After" in admit["responses"]["429"]["headers"]
+    assert admit["requestBody"]["content"]["application/json"]["examples"]
+    assert admit["responses"]["201"]["content"]["application/json"]["examples"]
+    count = operations(served_schema())["countAdmission"]
+    assert count["responses"]["200"]["content"]["application/json"]["examples"]
+
+
+def post(api: Any, url: str, body: Any, **headers: Any) -> Any:
+    return api.post(url, json.dumps(body), content_type="application/json", **headers)
+
+
+def test_real_answers_validate_against_their_schemas(demo_api):
+    schema = served_schema()
+    admitted = post(demo_api, "/api/v1/admissions", request_body(), HTTP_IDEMPOTENCY_KEY="k-openapi")
+    assert admitted.status_code == 201, admitted.json()
+    validate(schema, "admit", 201, admitted.json())
+    replayed = post(demo_api, "/api/v1/admissions", request_body(), HTTP_IDEMPOTENCY_KEY="k-openapi")
+    assert replayed["Idempotent-Replayed"] == "true"
+    validate(schema, "admit", 200, replayed.json())
+    counted = post(demo_api, "/api/v1/admissions:count?include=payload", request_body())
+    validate(schema, "countAdmission", 200, counted.json())
+    validate(schema, "countAdmission", 200, post(demo_api, "/api/v1/admissions:count", request_body()).json())
+    body = admitted.json()
+    url = f"/api/v1/reservations/{body['reservationId']}"
+    fence = body["lease"]["fence"]
+    dispatched = post(
+        demo_api,
+        f"{url}/dispatch",
+        {"fence": fence, "providerRequestId": "p-openapi", "admittedDigest": body["admittedDigest"]},
+    )
+    validate(schema, "dispatchReservation", 200, dispatched.json())
+    used = post(
+        demo_api, f"{url}/usage", {"fence": fence, "usageEventId": "u1", "outputTokens": 9, "final": True}
+    )
+    assert used.json()["state"] == "SETTLED"
+    validate(schema, "recordUsage", 200, used.json())
+    validate(schema, "getReservation", 200, demo_api.get(url).json())
+    validate(schema, "apiIndex", 200, demo_api.get("/api/v1/").json())
+
+
+def test_a_changed_body_fails_validation(demo_api):
+    schema = served_schema()
+    body = post(demo_api, "/api/v1/admissions:count", request_body()).json()
+    with pytest.raises(jsonschema.ValidationError):
+        validate(schema, "countAdmission", 200, {**body, "fits": "yes"})
+    with pytest.raises(jsonschema.ValidationError):
+        validate(schema, "countAdmission", 200, {k: v for k, v in body.items() if k != "tokens"})
+
+
+def test_problem_types_resolve_to_a_page_documenting_the_code(demo_api):
+    problem = post(demo_api, "/api/v1/admissions", request_body())
+    assert problem.status_code == 400
+    assert problem.json()["type"] == "/problems/idempotency-key-required"
+    page = Client().get(problem.json()["type"])
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "IDEMPOTENCY_KEY_REQUIRED" in text and "HTTP 400" in text
+    for code in ("QUOTA_EXCEEDED", "CONTEXT_BUDGET_EXCEEDED", "STALE_FENCE", "SERVICE_UNAVAILABLE"):
+        assert code in text
+    table = codes()
+    assert (table["quota-exceeded"].status, table["context-budget-exceeded"].status) == (429, 422)
+    assert table["stale-fence"].status == 409 and table["body-too-large"].status == 413
+    assert Client().get("/problems/no-such-code").status_code == 404
