@@ -18,6 +18,12 @@ DEMO = Path(__file__).resolve().parents[2] / "budgeting" / "demo" / "demo.yaml"
 TOKEN = "tb_demo_gateway_eu_0000000000000000"
 
 schema = schemathesis.openapi.from_wsgi("/api/v1/schema", application)
+REAL_IDS = {
+    "tenantId": "t-19",
+    "taskClass": "contract-review",
+    "modelPool": "eu-large",
+    "modelRevision": "model@2026-07-01",
+}
 
 
 @pytest.fixture
@@ -66,8 +72,19 @@ def demo(db, redis_db, no_connection_recycling):
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_api_never_answers_5xx_or_off_schema(case, demo: Reservation):
-    if "reservation_id" in (case.path_parameters or {}) and random.Random(str(case.body)).random() < 0.7:
+    # Most cases reach real objects: the provisioned tenant, catalog ids and a real reservation with its fence
+    # (generated ids alone would only ever exercise the 404 paths).
+    chance = random.Random(str(case.body) + case.path)
+    if "reservation_id" in (case.path_parameters or {}) and chance.random() < 0.7:
         case.path_parameters["reservation_id"] = str(demo.pk)
+        # Only a valid generated fence is replaced: negative cases must stay invalid.
+        fence = case.body.get("fence") if isinstance(case.body, dict) else None
+        if type(fence) is int and 1 <= fence < 2**53 and chance.random() < 0.7:
+            case.body["fence"] = demo.fence
+    if isinstance(case.body, dict) and chance.random() < 0.7:
+        case.body.update(
+            {k: v for k, v in REAL_IDS.items() if isinstance(case.body.get(k), str) and case.body[k]}
+        )
     # positive_data_acceptance is excluded: the schema documents ``components`` as a free-form object whose
     # structure the ladder's parser validates, so a schema-valid body may rightly be refused with 400.
     case.call_and_validate(

@@ -81,7 +81,9 @@ def reports_api(request: HttpRequest) -> HttpResponseBase:
     Answers problem+json 401 (not signed in), 403 (no report role), 400 (bad parameter), 405.
     """
     if request.method != "GET":
-        return _problem(Problem("only GET", status=405, code="METHOD_NOT_ALLOWED"))
+        refused = _problem(Problem("only GET", status=405, code="METHOD_NOT_ALLOWED"))
+        refused["Allow"] = "GET"
+        return refused
     if not request.user.is_authenticated:
         return _problem(NotSignedIn("sign in to the admin; gateway tokens cannot read reports"))
     if not may_read_reports(request.user):
