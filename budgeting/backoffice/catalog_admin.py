@@ -48,6 +48,7 @@ from budgeting.catalog.models import (
     Tokenizer,
 )
 from budgeting.catalog.tokenizer_assets import sha256_file
+from budgeting.provisioning.document import ENV_NAME
 from ladder.counting import upper_bound_rule
 
 
@@ -83,11 +84,43 @@ class TaskClassAdmin(AuditedAdmin[TaskClass]):
     ]
 
 
+class ModelPoolForm(AuditedForm):
+    """The key fields name environment variables: a key pasted in by mistake is refused before it reaches the
+    database and the change log."""
+
+    class Meta:
+        model = ModelPool
+        fields = [
+            "slug",
+            "region",
+            "provider",
+            "adapter",
+            "provider_base_url",
+            "api_key_env",
+            "admin_key_env",
+        ]
+
+    def _env_name(self, name: str) -> str:
+        value = str(self.cleaned_data[name])
+        if value and not ENV_NAME.fullmatch(value):
+            raise forms.ValidationError(
+                "Enter the name of an environment variable (letters, digits and _), never the key itself."
+            )
+        return value
+
+    def clean_api_key_env(self) -> str:
+        return self._env_name("api_key_env")
+
+    def clean_admin_key_env(self) -> str:
+        return self._env_name("admin_key_env")
+
+
 @admin.register(ModelPool)
 class ModelPoolAdmin(AuditedAdmin[ModelPool]):
-    list_display = ["slug", "region", "provider_base_url"]
+    form = ModelPoolForm
+    list_display = tuple(ModelPoolForm.Meta.fields)
+    list_filter = ["provider", "adapter"]
     search_fields = ["slug", "region"]
-    fields = ["slug", "region", "provider_base_url"]
 
 
 class TokenizerForm(AuditedForm):

@@ -25,16 +25,18 @@ from budgeting.catalog.models import (
     ModelRevision,
     PolicyAlias,
     PolicyVersion,
+    Price,
     ServiceClient,
     TaskClass,
     Tenant,
     Tokenizer,
 )
 from budgeting.catalog.policies import activate
-from budgeting.provisioning.document import NATURAL_KEYS, read_document
+from budgeting.provisioning.document import read_document
 from budgeting.provisioning.models import ProvisionedValue
-from budgeting.provisioning.plan import FieldPlan, ObjectPlan, Outcome, Plan, make_plan, related_model
+from budgeting.provisioning.plan import FieldPlan, ObjectPlan, Outcome, Plan, make_plan
 from budgeting.provisioning.source import Source
+from budgeting.provisioning.wanted import NATURAL_KEYS, related_model
 from ledger.models import CapacityAccount
 from ledger.services.accounts import forget_account_cache
 from ledger.services.limits import LIMIT_FIELDS, set_account_limits
@@ -48,12 +50,14 @@ PROVISIONED_MODELS: tuple[type[models.Model], ...] = (
     CapacityAccount,
     ServiceClient,
     PolicyVersion,
+    Price,
 )
 
 
 def is_empty() -> bool:
     """Nothing a provisioning file describes exists yet: no tokenizer, pool, model revision, task class,
-    tenant, account, service client or policy version. ``./platform run`` applies its demo file only then."""
+    tenant, account, service client, policy version or price. ``./platform run`` applies its demo file only
+    then."""
     return not any(model._default_manager.exists() for model in PROVISIONED_MODELS)
 
 

@@ -7,13 +7,12 @@ never gets as far as a plan.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import models
 
 from budgeting.catalog.models import (
     CAPABILITIES,
@@ -25,6 +24,8 @@ from budgeting.catalog.models import (
     PolicyAlias,
     PolicyState,
     PolicyVersion,
+    Provider,
+    ProviderAdapter,
     RolloutMode,
     ServiceClient,
     TaskClass,
@@ -34,64 +35,15 @@ from budgeting.catalog.models import (
 )
 from budgeting.catalog.policies import document_errors
 from budgeting.catalog.tokenizer_assets import sha256_file
+from budgeting.provisioning.prices import read_prices
 from budgeting.provisioning.source import ProvisioningError, Reader, items
+from budgeting.provisioning.wanted import Wanted, known, wanted
 from ladder.counting import upper_bound_rule
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
 
-NATURAL_KEYS: dict[type[models.Model], str] = {
-    Tokenizer: "name",
-    ModelPool: "slug",
-    ModelRevision: "name",
-    TaskClass: "slug",
-    Tenant: "slug",
-    ServiceClient: "name",
-    PolicyVersion: "revision",
-}
-"""How a file names the objects other objects refer to."""
-
-
-@dataclass(frozen=True)
-class Field:
-    """One field a file sets: the model field, the file's key for it, and the value the file wants.
-
-    Values are JSON: a relation is the natural key of its target, a many-to-many the sorted natural keys.
-    """
-
-    name: str
-    key: str
-    value: Any
-
-
-@dataclass(frozen=True)
-class Wanted:
-    """One object a file describes: how to find it (``lookup``, relations by natural key), the fields the file
-    keeps in line, and values written only when the object is created."""
-
-    kind: str
-    label: str
-    model: type[models.Model]
-    lookup: dict[str, Any]
-    fields: tuple[Field, ...]
-    on_create: dict[str, Any]
-
-
-def _known(model: type[models.Model], named_in_file: list[Wanted]) -> set[Any]:
-    """Natural keys that may be referred to: those in the database and those the file itself describes."""
-    key = NATURAL_KEYS[model]
-    in_file = {w.lookup[key] for w in named_in_file if w.model is model}
-    return set(model._default_manager.values_list(key, flat=True)) | in_file
-
-
-def _wanted(
-    kind: str,
-    label: str,
-    model: type[models.Model],
-    lookup: dict[str, Any],
-    fields: list[tuple[str, str, Any]],
-    on_create: dict[str, Any] | None = None,
-) -> Wanted:
-    return Wanted(kind, label, model, lookup, tuple(Field(n, k, v) for n, k, v in fields), on_create or {})
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+"""A pool names the environment variables holding its keys (at most 64 characters), never the keys."""
 
 
 def _limits(r: Reader) -> list[tuple[str, str, Any]]:
@@ -116,6 +68,7 @@ TOP_LEVEL = {
     "accounts",
     "serviceClients",
     "policies",
+    "prices",
 }
 
 
@@ -131,11 +84,12 @@ def read_document(doc: Any, *, now: datetime, tokenizer_dir: Path | None = None)
     out: list[Wanted] = []
     out += _tokenizers(doc, tokenizer_dir or Path(settings.TOKENIZER_DIR))
     out += _pools(doc)
-    out += _model_revisions(doc, _known(Tokenizer, out), _known(ModelPool, out))
+    out += _model_revisions(doc, known(Tokenizer, out), known(ModelPool, out))
+    out += read_prices(doc, known(ModelRevision, out))
     out += _task_classes(doc)
     out += _tenants(doc)
-    out += _accounts(doc, now, _known(Tenant, out), _known(TaskClass, out), _known(ModelPool, out))
-    out += _service_clients(doc, _known(Tenant, out))
+    out += _accounts(doc, now, known(Tenant, out), known(TaskClass, out), known(ModelPool, out))
+    out += _service_clients(doc, known(Tenant, out))
     out += _policies(doc, now)
     seen = set()
     for w in out:
@@ -167,21 +121,55 @@ def _tokenizers(doc: dict[str, Any], tokenizer_dir: Path) -> list[Wanted]:
             ("upper_bound_rule", "file (upper bound rule)", rule or ""),
             ("nfkc", "nfkc", r.get("nfkc", bool, False)),
         ]
-        out.append(_wanted("tokenizer", name, Tokenizer, {"name": name}, fields))
+        out.append(wanted("tokenizer", name, Tokenizer, {"name": name}, fields))
     return out
 
 
 def _pools(doc: dict[str, Any]) -> list[Wanted]:
     out = []
     for path, item in items(doc, "modelPools"):
-        r = Reader(item, path, {"slug", "region", "providerBaseUrl"})
+        r = Reader(
+            item,
+            path,
+            {"slug", "region", "providerBaseUrl", "provider", "adapter", "apiKeyEnv", "adminKeyEnv"},
+        )
         slug = r.get("slug", str, required=True)
+        provider = r.choice("provider", set(Provider.values), Provider.SIMULATOR)
+        own = sorted(a for a in ProviderAdapter.values if _provider_of(a) == provider)
+        adapter = r.choice("adapter", set(ProviderAdapter.values), own[0] if len(own) == 1 else None)
+        if adapter not in own:
+            raise ProvisioningError(
+                f"{path}.adapter",
+                f"{adapter!r} is not an adapter of provider {provider!r} (its adapters: {own})",
+            )
         fields = [
             ("region", "region", r.get("region", str, required=True)),
             ("provider_base_url", "providerBaseUrl", r.get("providerBaseUrl", str, "")),
+            ("provider", "provider", provider),
+            ("adapter", "adapter", adapter),
+            ("api_key_env", "apiKeyEnv", _env_name(r, "apiKeyEnv")),
+            ("admin_key_env", "adminKeyEnv", _env_name(r, "adminKeyEnv")),
         ]
-        out.append(_wanted("model pool", slug, ModelPool, {"slug": slug}, fields))
+        out.append(wanted("model pool", slug, ModelPool, {"slug": slug}, fields))
     return out
+
+
+def _provider_of(adapter: str) -> str:
+    # An adapter's name starts with its provider's, as the pool's check constraint pairs them. The registry in
+    # reconciliation.providers says the same, but provisioning imports no reconciliation (ARCHITECTURE.md) and
+    # need not load two provider SDKs to read a file.
+    return adapter.split("-")[0]
+
+
+def _env_name(r: Reader, key: str) -> str:
+    value = r.get(key, str, "")
+    if value and not ENV_NAME.fullmatch(value):
+        raise ProvisioningError(
+            f"{r.path}.{key}",
+            "must be the name of an environment variable (letters, digits and _, at most 64 characters), "
+            "never the key itself",
+        )
+    return value
 
 
 def _model_revisions(doc: dict[str, Any], tokenizers: set[Any], pools: set[Any]) -> list[Wanted]:
@@ -228,7 +216,7 @@ def _model_revisions(doc: dict[str, Any], tokenizers: set[Any], pools: set[Any])
             ("data_residency", "dataResidency", r.get("dataResidency", str, required=True)),
             ("safety_tier", "safetyTier", r.positive("safetyTier", required=False) or 1),
         ]
-        out.append(_wanted("model revision", name, ModelRevision, {"name": name}, fields))
+        out.append(wanted("model revision", name, ModelRevision, {"name": name}, fields))
     return out
 
 
@@ -275,7 +263,7 @@ def _task_classes(doc: dict[str, Any]) -> list[Wanted]:
             ("ramp_percent", "rampPercent", 100 if ramp is None else ramp),
             ("tenant_account_defaults", "tenantAccountDefaults", defaults),
         ]
-        out.append(_wanted("task class", slug, TaskClass, {"slug": slug}, fields))
+        out.append(wanted("task class", slug, TaskClass, {"slug": slug}, fields))
     return out
 
 
@@ -293,7 +281,7 @@ def _tenants(doc: dict[str, Any]) -> list[Wanted]:
                 r.choice("rolloutMode", {m.value for m in RolloutMode}, RolloutMode.SHADOW),
             ),
         ]
-        out.append(_wanted("tenant", slug, Tenant, {"slug": slug}, fields))
+        out.append(wanted("tenant", slug, Tenant, {"slug": slug}, fields))
     return out
 
 
@@ -327,7 +315,7 @@ def _accounts(
         fields = _limits(r)
         label = " ".join([scope, *(str(v) for k, v in lookup.items() if k != "scope" and v is not None)])
         on_create = {"period_start": period_start_for(fields[0][2], now)}
-        out.append(_wanted("account", label, CapacityAccount, lookup, fields, on_create))
+        out.append(wanted("account", label, CapacityAccount, lookup, fields, on_create))
     return out
 
 
@@ -340,7 +328,7 @@ def _service_clients(doc: dict[str, Any], tenants: set[Any]) -> list[Wanted]:
             ("is_active", "active", r.get("active", bool, True)),
             ("tenants", "tenants", r.refs("tenants", tenants, "tenant")),
         ]
-        out.append(_wanted("service client", name, ServiceClient, {"name": name}, fields))
+        out.append(wanted("service client", name, ServiceClient, {"name": name}, fields))
         for i, raw in enumerate(r.get("tokens", list, [])):
             if not isinstance(raw, str) or len(raw) < 16:
                 raise ProvisioningError(f"{path}.tokens[{i}]", "must be a string of at least 16 characters")
@@ -348,7 +336,7 @@ def _service_clients(doc: dict[str, Any], tenants: set[Any]) -> list[Wanted]:
             if ApiToken.objects.filter(token_hash=token_hash).exclude(client__name=name).exists():
                 raise ProvisioningError(f"{path}.tokens[{i}]", "belongs to another service client")
             out.append(
-                _wanted(
+                wanted(
                     "api token",
                     f"{raw[:8]}… of {name}",
                     ApiToken,
@@ -383,7 +371,7 @@ def _policies(doc: dict[str, Any], now: datetime) -> list[Wanted]:
         if existing is not None and existing.document != document:
             raise ProvisioningError(f"{path}.document", f"policy r{revision} is validated and immutable")
         out.append(
-            _wanted(
+            wanted(
                 "policy version",
                 f"r{revision}",
                 PolicyVersion,
@@ -402,6 +390,6 @@ def _policies(doc: dict[str, Any], now: datetime) -> list[Wanted]:
             raise ProvisioningError(f"{path}.version", f"no validated policy r{revision}")
         name = r.get("name", str, required=True)
         out.append(
-            _wanted("policy alias", name, PolicyAlias, {"name": name}, [("version", "version", revision)])
+            wanted("policy alias", name, PolicyAlias, {"name": name}, [("version", "version", revision)])
         )
     return out

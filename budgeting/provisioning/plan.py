@@ -12,17 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Any, cast
+from typing import Any
 
 from django.db import models
 from django.db.models import Sum
 
-from budgeting.catalog.models import ChangeRecord, TemporaryIncrease
-from budgeting.provisioning.document import NATURAL_KEYS, Wanted
+from budgeting.catalog.models import ChangeRecord, ModelPool, TemporaryIncrease
 from budgeting.provisioning.models import ProvisionedValue
 from budgeting.provisioning.source import ACTOR_PREFIX, Source
+from budgeting.provisioning.wanted import NATURAL_KEYS, Wanted, present, related_model
 from ledger.models import CapacityAccount
 
 INCREASE_AMOUNTS = {
@@ -31,6 +31,10 @@ INCREASE_AMOUNTS = {
     "concurrency_limit": "concurrency",
 }
 """Which amount of a temporary increase rides on which account limit."""
+
+TIED_FIELDS: dict[type[models.Model], frozenset[str]] = {ModelPool: frozenset({"provider", "adapter"})}
+"""Fields a check constraint pairs: when people's value of one is kept, the file's value of the other is kept
+too, so that an apply never writes a pair the database refuses (a pool's adapter belongs to its provider)."""
 
 
 class Outcome(StrEnum):
@@ -124,22 +128,6 @@ def lookup_filter(model: type[models.Model], lookup: dict[str, Any]) -> dict[str
     return out
 
 
-def related_model(field: Any) -> type[models.Model]:
-    return cast(type[models.Model], field.related_model)
-
-
-def present(obj: models.Model, name: str) -> Any:
-    """A field's value as a file states it: relations by natural key, many-to-many sorted."""
-    field = obj._meta.get_field(name)
-    if field.many_to_many:
-        key = NATURAL_KEYS[related_model(field)]
-        return sorted(getattr(target, key) for target in getattr(obj, name).all())
-    if field.is_relation:
-        target = getattr(obj, name)
-        return None if target is None else getattr(target, NATURAL_KEYS[related_model(field)])
-    return getattr(obj, name)
-
-
 def _object_plan(w: Wanted, force: bool) -> ObjectPlan:
     obj = w.model._default_manager.filter(**lookup_filter(w.model, w.lookup)).first()
     if obj is None:
@@ -171,7 +159,21 @@ def _object_plan(w: Wanted, force: bool) -> ObjectPlan:
         else:
             outcome = Outcome.OVERRIDE if force else Outcome.KEPT
             plans.append(FieldPlan(f.name, f.key, current, f.value, outcome, _who(people)))
-    return ObjectPlan(w, obj.pk, tuple(plans), observed, offsets)
+    return ObjectPlan(w, obj.pk, _keep_tied(w.model, plans), observed, offsets)
+
+
+def _keep_tied(model: type[models.Model], plans: list[FieldPlan]) -> tuple[FieldPlan, ...]:
+    """Keep the file's value of a tied field (``TIED_FIELDS``) when people's value of its partner is kept."""
+    tied = TIED_FIELDS.get(model, frozenset())
+    kept = next((p for p in plans if p.name in tied and p.outcome == Outcome.KEPT), None)
+    if kept is None:
+        return tuple(plans)
+    return tuple(
+        replace(p, outcome=Outcome.KEPT, note=f"kept with {kept.key}, {kept.note}")
+        if p.name in tied and p.outcome == Outcome.SET
+        else p
+        for p in plans
+    )
 
 
 def _active_increases(account: CapacityAccount) -> dict[str, int]:

@@ -28,6 +28,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
+from budgeting.backoffice.formats import count
 from budgeting.catalog.models import ModelPool
 from budgeting.celery import app as celery_app
 from ledger.models import Reservation, State
@@ -249,13 +250,13 @@ class StatusLine:
         if not (self._tty or final or now - self._last >= self.EVERY_S):
             return
         self._last = now
-        counts = self._fleet.tally.snapshot()
+        n = self._fleet.tally.snapshot()
         states = run_states(self._fleet.request_prefix)
         line = (
-            f"[{now - self._began:5.0f}s {phase}] requests {counts['requests']} | in flight "
-            f"{counts['in_flight']} | admitted {counts['admitted']} (degraded {counts['degraded']}) | "
-            f"rejected {counts['rejected']} | open {sum(states[s] for s in OPEN)} | reconciling "
-            f"{states[State.RECONCILING]} | settled {states[State.SETTLED]}"
+            f"[{now - self._began:5.0f}s {phase}] requests {count(n['requests'])} | in flight "
+            f"{count(n['in_flight'])} | admitted {count(n['admitted'])} (degraded {count(n['degraded'])}) | "
+            f"rejected {count(n['rejected'])} | open {count(sum(states[s] for s in OPEN))} | reconciling "
+            f"{count(states[State.RECONCILING])} | settled {count(states[State.SETTLED])}"
         )
         if self._tty:
             self._out.write("\r\033[K" + line, ending="\n" if final else "")
@@ -361,49 +362,52 @@ class Summary:
 
         def breakdown(prefix: str) -> str:
             parts = sorted((name.removeprefix(prefix), n) for name, n in t.items() if name.startswith(prefix))
-            return ", ".join(f"{name} {n}" for name, n in parts) or "none"
+            return ", ".join(f"{name} {count(n)}" for name, n in parts) or "none"
 
         lines = [
             "",
             "traffic",
-            f"  requests              {t['requests']}",
-            f"  admitted              {t['admitted']}  (degraded {t['degraded']}: {breakdown('degraded:')})",
-            f"  queued                {t['queued']}  ({breakdown('queue:')})",
-            f"  rejected              {t['rejected']}  ({breakdown('rejected:')})",
-            f"  shadow (not held)     {t['shadow']}",
-            f"  faults injected       {sum(n for k, n in t.items() if k.startswith('fault:'))}  "
+            f"  requests              {count(t['requests'])}",
+            f"  admitted              {count(t['admitted'])}  (degraded {count(t['degraded'])}: "
+            f"{breakdown('degraded:')})",
+            f"  queued                {count(t['queued'])}  ({breakdown('queue:')})",
+            f"  rejected              {count(t['rejected'])}  ({breakdown('rejected:')})",
+            f"  shadow (not held)     {count(t['shadow'])}",
+            f"  faults injected       {count(sum(n for k, n in t.items() if k.startswith('fault:')))}  "
             f"({breakdown('fault:')})",
             f"  calls ended           {breakdown('outcome:')}",
             "reservations of the run",
         ]
         for (state, outcome), n in sorted(self.outcomes.items()):
-            lines.append(f"  {(state + ' ' + outcome).strip():<21} {n}")
+            lines.append(f"  {(state + ' ' + outcome).strip():<21} {count(n)}")
         lines += [
-            f"  reconciling left      {self.reconciling_left}",
-            f"  needs a person        {self.needs_person}"
+            f"  reconciling left      {count(self.reconciling_left)}",
+            f"  needs a person        {count(self.needs_person)}"
             + (
                 ""
                 if self.vouching
                 else "  (the adapter cannot vouch for 'not found': expected for unprocessed calls)"
             ),
-            f"  other open left       {self.open_left}"
+            f"  other open left       {count(self.open_left)}"
             + ("" if settled_in_time else "  (the settle timeout ran out)"),
-            f"  overruns              {self.overruns}  ({self.overrun_tokens} tokens)",
+            f"  overruns              {count(self.overruns)}  ({count(self.overrun_tokens)} tokens)",
             "ledger audit (whole ledger)",
-            f"  {'OK' if self.audit.ok else 'FAILED'}: {self.audit.accounts_checked} accounts, "
-            f"{self.audit.reservations_checked} reservations, {len(self.audit.violations)} violations, "
-            f"{len(self.audit.leaks)} leaks",
+            f"  {'OK' if self.audit.ok else 'FAILED'}: {count(self.audit.accounts_checked)} accounts, "
+            f"{count(self.audit.reservations_checked)} reservations, {count(len(self.audit.violations))} "
+            f"violations, {count(len(self.audit.leaks))} leaks",
         ]
         lines += [f"    {line}" for line in (self.audit.violations + self.audit.leaks)[:20]]
         b = self.billed
         lines += [
             "settled vs the simulator's billing (input/output tokens per provider request)",
-            f"  {'OK' if b.ok and not b.unsettled else 'FAILED'}: {b.compared} settled provider requests; "
-            f"settled {b.settled_input}/{b.settled_output}, billed {b.billed_input}/{b.billed_output}; "
-            f"{len(b.mismatches)} mismatches, {len(b.unsettled)} billed but not settled",
+            f"  {'OK' if b.ok and not b.unsettled else 'FAILED'}: {count(b.compared)} settled provider "
+            f"requests; settled {count(b.settled_input)}/{count(b.settled_output)}, billed "
+            f"{count(b.billed_input)}/{count(b.billed_output)}; {count(len(b.mismatches))} mismatches, "
+            f"{count(len(b.unsettled))} billed but not settled",
         ]
         lines += [
-            f"    {m.request_id}: settled {m.settled[0]}/{m.settled[1]}, billed {m.billed[0]}/{m.billed[1]}"
+            f"    {m.request_id}: settled {count(m.settled[0])}/{count(m.settled[1])}, billed "
+            f"{count(m.billed[0])}/{count(m.billed[1])}"
             for m in b.mismatches[:20]
         ]
         lines += [f"    billed, not settled: {request_id}" for request_id in b.unsettled[:20]]
