@@ -3,7 +3,14 @@ answers valid against their declared schemas; the problems' ``type`` pages."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -12,6 +19,8 @@ from django.test import Client
 
 from budgeting.api.problem_pages import codes
 from tests.api.test_admissions import request_body
+from tests.demo import DEMO_TOKEN
+from tests.live import gunicorn
 
 pytestmark = pytest.mark.django_db
 
@@ -134,3 +143,92 @@ def test_problem_types_resolve_to_a_page_documenting_the_code(demo_api):
     assert (table["quota-exceeded"].status, table["context-budget-exceeded"].status) == (429, 422)
     assert table["stale-fence"].status == 409 and table["body-too-large"].status == 413
     assert Client().get("/problems/no-such-code").status_code == 404
+
+
+GENERATOR = "openapi-python-client==0.29.1"
+OPTIONS = ("--meta", "none", "--output-path", "tbclient")
+
+# The README's walkthrough through the generated client: count, admit, dispatch, final usage, read it back.
+WALKTHROUGH = textwrap.dedent(
+    """
+    import json, sys
+    from tbclient import AuthenticatedClient
+    from tbclient.api.admissions import admit
+    from tbclient.api.admissionscount import count_admission
+    from tbclient.api.reservations import dispatch_reservation, get_reservation, record_usage
+    from tbclient.models import AdmissionInRequest, DispatchInRequest, UsageInRequest
+
+    base, token, raw = sys.argv[1:4]
+    client = AuthenticatedClient(base_url=base, token=token, raise_on_unexpected_status=True)
+    request = AdmissionInRequest.from_dict(json.loads(raw))
+    counted = count_admission.sync(client=client, body=request)
+    admitted = admit.sync(client=client, body=request, idempotency_key="walkthrough-1")
+    rid, fence = str(admitted.reservation_id), admitted.lease.fence
+    dispatched = dispatch_reservation.sync(
+        rid,
+        client=client,
+        body=DispatchInRequest(
+            fence=fence, provider_request_id="prov-walk-1", admitted_digest=admitted.admitted_digest
+        ),
+    )
+    used = record_usage.sync(
+        rid,
+        client=client,
+        body=UsageInRequest(fence=fence, usage_event_id="u-1", output_tokens=120, final=True),
+    )
+    read = get_reservation.sync(rid, client=client)
+    print(json.dumps({
+        "counted": [type(counted).__name__, counted.tokens.input_],
+        "admitted": [type(admitted).__name__, admitted.state, admitted.reserved.output],
+        "dispatched": [type(dispatched).__name__, dispatched.state],
+        "used": [type(used).__name__, used.applied, used.state, used.output.captured],
+        "read": [
+            type(read).__name__, read.state, read.outcome,
+            sorted({e.kind for e in read.ledger_entries}),
+        ],
+    }))
+    """
+)
+
+
+def generator_venv() -> Path:
+    """``$XDG_CACHE_HOME/token-budget/openapi-client-<hash>``: the generator (with the httpx and attrs the
+    client needs) apart from the platform's venv, built once."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    venv = cache / "token-budget" / f"openapi-client-{hashlib.sha256(GENERATOR.encode()).hexdigest()[:12]}"
+    if not (venv / "ready").exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", GENERATOR], check=True, timeout=600)
+        (venv / "ready").touch()
+    return venv
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_client_generated_from_the_served_schema_runs_the_walkthrough(demo_api, tmp_path):
+    venv = generator_venv()
+    with gunicorn() as base:
+        with urllib.request.urlopen(f"{base}/api/v1/schema?format=json") as served:
+            (tmp_path / "schema.json").write_bytes(served.read())
+        generated = subprocess.run(
+            [str(venv / "bin" / "openapi-python-client"), "generate", "--path", "schema.json", *OPTIONS],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+        )
+        assert generated.returncode == 0, generated.stdout + generated.stderr
+        (tmp_path / "walkthrough.py").write_text(WALKTHROUGH)
+        run = subprocess.run(
+            [str(venv / "bin" / "python"), "walkthrough.py", base, DEMO_TOKEN, json.dumps(request_body())],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {
+        "counted": ["CountOut", 163],
+        "admitted": ["AdmittedOut", "RESERVED", 1600],
+        "dispatched": ["ReservationOut", "DISPATCHED"],
+        "used": ["ReservationAppliedOut", True, "SETTLED", 120],
+        "read": ["ReservationOut", "SETTLED", "COMPLETED", ["HOLD", "POST", "RELEASE"]],
+    }
