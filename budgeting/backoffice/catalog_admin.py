@@ -23,6 +23,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from budgeting.backoffice import formats
 from budgeting.backoffice.kit import (
     AuditedAdmin,
     AuditedForm,
@@ -366,12 +367,20 @@ class PriceAdmin(AuditedAdmin[Price]):
         "model_revision",
         "effective_from",
         "currency",
-        "input_per_million",
-        "output_per_million",
+        "input_price",
+        "output_price",
         "note",
     ]
     list_filter = ["model_revision", "currency"]
     date_hierarchy = "effective_from"
+
+    @admin.display(description="input per 1M tokens", ordering="input_per_million")
+    def input_price(self, price: Price) -> str:
+        return formats.unit_price(price.input_per_million, price.currency)
+
+    @admin.display(description="output per 1M tokens", ordering="output_per_million")
+    def output_price(self, price: Price) -> str:
+        return formats.unit_price(price.output_per_million, price.currency)
     fields = [
         "model_revision",
         "effective_from",

@@ -377,4 +377,7 @@ def diff_documents(old: Any, new: Any) -> list[DiffLine]:
 
 
 def _show(value: Any) -> str:
+    """A leaf as a person reads it: counts with thousands separators, anything else as JSON."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
     return json.dumps(value, ensure_ascii=False)

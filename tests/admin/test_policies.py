@@ -109,7 +109,7 @@ def test_diff_lists_changed_leaves_by_path():
     new["taskClasses"]["contract-review"]["queue"] = {"allowed": False}
     lines = {line.path: line for line in policy_services.diff_documents(old, new)}
     assert lines["globalMaxInputTokens"].kind == "changed"
-    assert (lines["globalMaxInputTokens"].old, lines["globalMaxInputTokens"].new) == ("60000", "50000")
+    assert (lines["globalMaxInputTokens"].old, lines["globalMaxInputTokens"].new) == ("60,000", "50,000")
     assert lines["taskClasses.contract-review.ladder"].kind == "changed"
     assert lines["taskClasses.contract-review.queue.allowed"].kind == "added"
     assert "taskClasses.contract-review.inputCap" not in lines
@@ -213,7 +213,7 @@ def test_activate_and_roll_back_through_confirmation_pages(users, policies, redi
     platform = login("platform")
     activate_url = reverse("admin:budgeting_policyversion_activate", args=[policies["r19"].pk])
     page = platform.get(activate_url).content.decode()
-    assert "globalMaxInputTokens" in page and "60000" in page and "50000" in page
+    assert "globalMaxInputTokens" in page and "60,000" in page and "50,000" in page
     assert alias().version_id == policies["r18"].pk  # a GET changes nothing
     response = platform.post(activate_url, {"reason": "roll out", "expected_version": policies["r18"].pk})
     assert response.status_code == 302

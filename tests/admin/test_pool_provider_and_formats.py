@@ -65,3 +65,17 @@ def test_the_billing_import_offers_every_format_the_platform_reads(users):
     html = login("finance").get(reverse("admin:reconciliation_billingimport_upload")).content.decode()
     for value, label in EXPORT_FORMAT_CHOICES:
         assert f'<option value="{value}"' in html and label in html, value
+
+
+def test_the_price_list_shows_unit_prices_with_their_symbol_per_million_tokens():
+    from decimal import Decimal
+
+    from django.contrib import admin as django_admin
+
+    from budgeting.catalog.models import Price
+
+    price = Price(currency="USD", input_per_million=Decimal("0.27"), output_per_million=Decimal("1.1"))
+    page = django_admin.site._registry[Price]
+    assert page.input_price(price) == "$0.27"
+    assert page.output_price(price) == "$1.10"
+    assert page.input_price.short_description == "input per 1M tokens"
