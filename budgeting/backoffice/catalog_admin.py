@@ -381,6 +381,7 @@ class PriceAdmin(AuditedAdmin[Price]):
     @admin.display(description="output per 1M tokens", ordering="output_per_million")
     def output_price(self, price: Price) -> str:
         return formats.unit_price(price.output_per_million, price.currency)
+
     fields = [
         "model_revision",
         "effective_from",

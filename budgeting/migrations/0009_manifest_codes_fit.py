@@ -12,7 +12,9 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name="manifest",
             name="answer",
-            field=models.CharField(blank=True, help_text="What the caller was finally answered.", max_length=28),
+            field=models.CharField(
+                blank=True, help_text="What the caller was finally answered.", max_length=28
+            ),
         ),
         migrations.AlterField(
             model_name="manifest",

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import get_args
 
+from django.db.models import CharField
+
 from budgeting.admission.models import Answer, Decision, Manifest
 from ladder.decision import RejectionCode
 from ladder.policy import RUNGS
 
 
 def width(name: str) -> int:
-    max_length = Manifest._meta.get_field(name).max_length
-    assert max_length is not None
-    return max_length
+    field = Manifest._meta.get_field(name)
+    assert isinstance(field, CharField) and field.max_length is not None
+    return field.max_length
 
 
 def test_every_rejection_the_ladder_can_decide_is_a_decision_and_an_answer():

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.django_db
 def gateway(cat: Catalog, token: str) -> APIClient:
     client = ServiceClientFactory(tenants=[cat.tenant])
     api = APIClient()
-    api.credentials(HTTP_AUTHORIZATION=f"Bearer {issue_token(client, token)}")
+    api.credentials(HTTP_AUTHORIZATION=f"Bearer {issue_token(client, token)}")  # type: ignore[arg-type]
     return api
 
 
