@@ -62,7 +62,11 @@ class Migration(migrations.Migration):
             },
         ),
         migrations.RunSQL(
-            FUNCTION + triggers(WATCHED),
+            FUNCTION
+            + triggers(WATCHED)
+            # A first version, so a catalog provisioned before this migration is cached from the start.
+            + "INSERT INTO budgeting_catalogversion (id, version) "
+            "VALUES (1, nextval('budgeting_catalog_version_seq')) ON CONFLICT (id) DO NOTHING;",
             drop_triggers(WATCHED)
             + "DROP FUNCTION IF EXISTS budgeting_bump_catalog_version();"
             + "DROP SEQUENCE IF EXISTS budgeting_catalog_version_seq;",
