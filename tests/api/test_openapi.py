@@ -203,6 +203,7 @@ def generator_venv() -> Path:
     return venv
 
 
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_a_client_generated_from_the_served_schema_runs_the_walkthrough(demo_api, tmp_path):
     venv = generator_venv()
