@@ -21,13 +21,17 @@ def redis_db():
 
 
 @pytest.fixture(autouse=True)
-def fresh_account_cache():
-    """Each test provisions its own accounts; the per-process list of applicable accounts starts empty."""
+def fresh_process_caches():
+    """Each test provisions its own accounts and catalog: the per-process list of applicable accounts and the
+    decision memo start empty."""
+    from budgeting.admission.decision_memo import decision_memo
     from ledger.services.accounts import forget_account_cache
 
     forget_account_cache()
+    decision_memo().clear()
     yield
     forget_account_cache()
+    decision_memo().clear()
 
 
 @pytest.fixture

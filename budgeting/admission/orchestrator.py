@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 from budgeting.admission.count_cache import count_cache
+from budgeting.admission.decision_memo import Prepared, decision_memo, memo_key, memoizable
 from budgeting.admission.models import Answer, Manifest
 from budgeting.admission.request import AdmissionRequest
 from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, Unavailable, Unprocessable
@@ -52,18 +53,27 @@ class Result:
 
 @dataclass(frozen=True)
 class Context:
-    """Everything resolved for one admission request before the ladder runs."""
+    """Everything resolved for one admission request, and what the ladder decided for it."""
 
     caller: Caller
     tenant: Tenant
     resolved: Resolved
-    components: Components
     request: AdmissionRequest
-    full_payload: dict[str, object]
-    """The provider payload of the request as sent, before any rung (built once per request)."""
+    prepared: Prepared
+    decision: Decision
+
+    @property
+    def components(self) -> Components:
+        return self.prepared.components
+
+    @property
+    def full_payload(self) -> dict[str, object]:
+        """The provider payload of the request as sent, before any rung (built once per request)."""
+        return self.prepared.full_payload
 
 
-def _resolve(caller: Caller, request: AdmissionRequest) -> Context:
+def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
+    """Resolve the catalog, then parse, render and decide, or take all three from the decision memo."""
     tenant = caller.snapshot.tenant(request.tenant_id, caller.tenant_ids)
     resolved = caller.snapshot.resolve(
         task_class=request.task_class, pool=request.model_pool, model_revision=request.model_revision
@@ -82,47 +92,66 @@ def _resolve(caller: Caller, request: AdmissionRequest) -> Context:
             code="POLICY_REVISION_MISMATCH",
             activePolicyRevision=resolved.policy_revision,
         )
+    version = caller.snapshot.version
+    keyed = None if version is None else memo_key(request, version)
+    prepared = None if keyed is None else _remembered(caller, keyed[0])
+    if prepared is None:
+        prepared = _decide(caller, request, resolved)
+        if keyed is not None and memoizable(prepared.decision):
+            decision_memo().put(keyed[0], prepared, keyed[1])
+        decision = prepared.decision
+    else:
+        with tracing.span("admission.ladder") as span:
+            span.set_attributes({**_ladder_attributes(prepared.decision), "tokenbudget.memo": "hit"})
+        decision = replace(prepared.decision, request_id=request.request_id)
+    return Context(caller, tenant, resolved, request, prepared, decision)
+
+
+def _remembered(caller: Caller, key: str) -> Prepared | None:
+    """The memo's entry for ``key``, while the exact counter of its decision's model still loads."""
+    prepared = decision_memo().get(key)
+    if prepared is None or prepared.decision.count is None:
+        return prepared
+    try:
+        caller.snapshot.counter_for(prepared.decision.model)
+    except CountingUnavailable:
+        return None
+    return prepared
+
+
+def _decide(caller: Caller, request: AdmissionRequest, r: Resolved) -> Prepared:
     try:
         components = parse_components(request.components, limits=LIMITS)
     except ComponentError as exc:
         raise InvalidInput(exc.message, code="INVALID_COMPONENTS", path=exc.path, reason=exc.code) from None
-    return Context(
-        caller=caller,
-        tenant=tenant,
-        resolved=resolved,
-        components=components,
-        request=request,
-        full_payload=build_payload(components),
-    )
-
-
-def _run_ladder(ctx: Context) -> Decision:
-    r = ctx.resolved
+    full_payload = build_payload(components)
     started = time.perf_counter()
     with tracing.span("admission.ladder") as span:
         try:
             decision = decide(
-                ctx.components,
-                request_id=ctx.request.request_id,
+                components,
+                request_id=request.request_id,
                 model=r.model_spec,
-                requested_max_output=ctx.request.max_output,
+                requested_max_output=request.max_output,
                 task_policy=r.task_policy,
                 global_cap=r.global_cap,
                 fallback_models=r.fallback_specs,
-                counter_for=lambda spec: tracing.TracedCounter(ctx.caller.snapshot.counter_for(spec)),
+                counter_for=lambda spec: tracing.TracedCounter(caller.snapshot.counter_for(spec)),
                 cache=count_cache().under_policy(r.policy_revision),
             )
         except CountingUnavailable as exc:
             raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None
-        span.set_attributes(
-            {
-                "tokenbudget.rung": decision.rung,
-                "tokenbudget.decision": decision_label(decision),
-                "tokenbudget.input_tokens": 0 if decision.count is None else decision.count.total,
-            }
-        )
+        span.set_attributes(_ladder_attributes(decision))
     metrics.observe_ladder_latency(time.perf_counter() - started)
-    return decision
+    return Prepared(components, full_payload, rendered_digest(full_payload), decision)
+
+
+def _ladder_attributes(decision: Decision) -> dict[str, str | int]:
+    return {
+        "tokenbudget.rung": decision.rung,
+        "tokenbudget.decision": decision_label(decision),
+        "tokenbudget.input_tokens": 0 if decision.count is None else decision.count.total,
+    }
 
 
 def in_ramp(request_id: str, percent: int) -> bool:
@@ -145,9 +174,11 @@ def _model_used(ctx: Context, decision: Decision) -> ModelRevision:
 
 
 def request_fingerprint(ctx: Context) -> str:
-    """What an Idempotency-Key is bound to: the FULL payload and every envelope field that changes the
-    decision or the reservation (a retry must repeat all of them)."""
-    return rendered_digest({"payload": ctx.full_payload, "envelope": ctx.request.fingerprint_fields()})
+    """What an Idempotency-Key is bound to: the FULL payload (by its digest) and every envelope field that
+    changes the decision or the reservation (a retry must repeat all of them)."""
+    return rendered_digest(
+        {"payloadDigest": ctx.prepared.full_digest, "envelope": ctx.request.fingerprint_fields()}
+    )
 
 
 def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
@@ -157,7 +188,7 @@ def _decision_body(ctx: Context, decision: Decision) -> dict[str, Any]:
         "requestId": ctx.request.request_id,
         "decision": decision_label(decision),
         **body,
-        "renderedDigest": rendered_digest(ctx.full_payload),
+        "renderedDigest": ctx.prepared.full_digest,
         "admittedDigest": decision.rendered_digest,
         "tokenizerDigest": decision.model.tokenizer_digest,
         "policyRevision": ctx.resolved.policy_revision,
@@ -231,8 +262,8 @@ def _record(manifest: Manifest, answer: str) -> int:
 def count(*, caller: Caller, request: AdmissionRequest, include_payload: bool) -> Result:
     """The dry run: the same decision as an admission, without reserving or recording anything. The rendered
     payload is answered only when asked for (it can be most of the response)."""
-    ctx = _resolve(caller, request)
-    decision = _run_ladder(ctx)
+    ctx = _prepare(caller, request)
+    decision = ctx.decision
     body = _decision_body(ctx, decision)
     if include_payload:
         body["payload"] = decision.payload
@@ -316,8 +347,8 @@ def _admit(
         raise InvalidInput(
             "the Idempotency-Key header is required (at most 200 characters)", code="IDEMPOTENCY_KEY_REQUIRED"
         )
-    ctx = _resolve(caller, request)
-    decision = _run_ladder(ctx)
+    ctx = _prepare(caller, request)
+    decision = ctx.decision
     request_digest = request_fingerprint(ctx)
     mode = _mode(ctx)
     manifest = _manifest(ctx, decision, mode, raw)
