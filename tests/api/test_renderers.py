@@ -1,0 +1,55 @@
+"""The API's orjson renderer writes the same JSON as DRF's JSONRenderer for every JSON value, byte for byte
+for the Python types the API answers with (only a float's exponent is spelt differently: 1e-7, not 1e-07);
+the JSON columns' orjson encoder stores what Django's would."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+import uuid
+
+from hypothesis import given
+from hypothesis import strategies as st
+from rest_framework.renderers import JSONRenderer
+
+from budgeting.api.renderers import FastJSONRenderer
+from ledger.jsonfields import FastJSONEncoder
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**53), max_value=2**53)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(JSON)
+def test_any_json_value_is_rendered_as_drf_renders_it(value):
+    assert json.loads(FastJSONRenderer().render([value])) == json.loads(JSONRenderer().render([value]))
+
+
+def test_the_types_the_api_answers_with_are_written_byte_for_byte_as_before():
+    value = {
+        "separators": "line\u2028paragraph\u2029",
+        "at": datetime.datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=datetime.UTC),
+        "day": datetime.date(2026, 11, 30),
+        "money": decimal.Decimal("12.50"),
+        "id": uuid.UUID("12345678-1234-5678-1234-567812345678"),
+        "text": "第七条 — ünïcode",
+        7: "a key that is not a string",
+        "numbers": [0, -1, 2**53, 0.1, 2.5, 1.5e300],
+    }
+    assert FastJSONRenderer().render(value) == JSONRenderer().render(value)
+    assert FastJSONRenderer().render(1e-7) == b"1e-7" and JSONRenderer().render(1e-7) == b"1e-07"
+    assert FastJSONRenderer().render(None) == JSONRenderer().render(None) == b""
+
+
+def test_the_json_columns_encoder_stores_what_django_would():
+    value = {"request": {"text": "第七条", "n": [1, 2.5, None, True]}, "at": "2026-11-30T12:00:00Z"}
+    assert json.loads(json.dumps(value, cls=FastJSONEncoder)) == value
+    an_id = uuid.UUID(int=1)
+    assert json.loads(json.dumps({"id": an_id}, cls=FastJSONEncoder)) == {"id": str(an_id)}
