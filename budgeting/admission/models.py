@@ -9,6 +9,7 @@ from django.db import models
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from ladder.decision import CONTEXT_BUDGET_EXCEEDED, COUNTING_UNAVAILABLE, MINIMUM_EVIDENCE_UNAVAILABLE
 from ladder.policy import RUNGS
+from ledger.jsonfields import FastJSONEncoder
 
 
 class Decision(models.TextChoices):
@@ -61,9 +62,12 @@ class Manifest(models.Model):
     input_tokens = models.PositiveIntegerField()
     count_method = models.CharField(max_length=16)
     request = models.JSONField(
-        help_text="The admission request as received (components included) for replay."
+        encoder=FastJSONEncoder,
+        help_text="The admission request as received (components included) for replay.",
     )
-    record = models.JSONField(help_text="Locked revisions, digests, per-component counts, ladder steps.")
+    record = models.JSONField(
+        encoder=FastJSONEncoder, help_text="Locked revisions, digests, per-component counts, ladder steps."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
