@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db import connection, models
 from django.db.models import F, Q, Sum
-from django.db.models.sql import InsertQuery, UpdateQuery
+from django.db.models.sql import UpdateQuery
 
 from ledger import locks
 from ledger.errors import (
@@ -175,14 +175,26 @@ def _update_sql(reservation: Reservation) -> tuple[str, list[Any]]:
 
 
 def _insert_sql(row: models.Model) -> tuple[str, list[Any]]:
+    """The INSERT of ``row`` and its parameters, as Django's compiler writes them (each field's ``pre_save``
+    for an insert, then its ``get_db_prep_save``); the statement's text is built once per model and columns,
+    which keeps Django's compiler (most of a hot admission's Python time) off the hot path."""
     model = type(row)
     fields = [
         f for f in model._meta.concrete_fields if not (f.primary_key and getattr(row, f.attname) is None)
     ]
-    query = InsertQuery(model)
-    query.insert_values(fields, [row])
-    ((sql, params),) = query.get_compiler(connection=connection).as_sql()
-    return sql, list(params)
+    params = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
+    return _insert_statement(model, tuple(f.column for f in fields)), params
+
+
+@functools.lru_cache(maxsize=64)
+def _insert_statement(model: type[models.Model], columns: tuple[str, ...]) -> str:
+    if any(hasattr(f, "get_placeholder") for f in model._meta.concrete_fields):
+        raise TypeError(f"{model.__name__} has a field with its own placeholder; use Django's compiler")
+    quote = connection.ops.quote_name
+    return (
+        f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) "
+        f"VALUES ({', '.join(['%s'] * len(columns))})"
+    )
 
 
 def held_account_ids(reservation: Reservation) -> list[int]:
@@ -329,6 +341,32 @@ _WITHIN_LIMITS = """
 """
 
 
+# The holds of a new reservation after its INSERT: the amounts are bound once (``m``), so that the statement
+# has fewer than 50 parameters and psycopg converts its text once per process, not once per admission.
+_HOLD_SQL = (
+    """
+    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid)
+    , ordered AS (SELECT id FROM ledger_capacityaccount WHERE id = ANY(%s::bigint[]) ORDER BY id FOR UPDATE)
+    , held AS (
+        UPDATE ledger_capacityaccount AS a
+           SET input_reserved = a.input_reserved + m.i,
+               output_reserved = a.output_reserved + m.o,
+               in_flight = a.in_flight + 1
+          FROM ordered, m
+         WHERE a.id = ordered.id AND """
+    + _WITHIN_LIMITS.replace("%(i)s", "m.i").replace("%(o)s", "m.o")
+    + """
+        RETURNING a.id, a.period_start)
+    , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
+    , entries AS (
+        INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
+            input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
+        SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.period_start, '', '', now() FROM held, m)
+    SELECT COALESCE(array_agg(id), '{}') FROM held
+    """
+)
+
+
 def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -> set[int]:
     """Insert a new reservation and hold its input, output and one concurrency slot on every account, each
     conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement.
@@ -337,46 +375,9 @@ def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -
     others were held). Accounts are locked in ascending id order (the canonical order); the reservation row is
     new, so nothing else can be waiting on it. Raises IntegrityError for an Idempotency-Key already used.
     """
-    insert = InsertQuery(Reservation)
-    insert.insert_values(list(Reservation._meta.concrete_fields), [reservation])
-    ((insert_sql, insert_params),) = insert.get_compiler(connection=connection).as_sql()
-    amounts = {"i": reservation.input_reserved, "o": reservation.output_reserved, "rid": reservation.pk}
-    cte = (
-        """
-        , ordered AS (SELECT id FROM ledger_capacityaccount WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE)
-        , held AS (
-            UPDATE ledger_capacityaccount AS a
-               SET input_reserved = a.input_reserved + %(i)s,
-                   output_reserved = a.output_reserved + %(o)s,
-                   in_flight = a.in_flight + 1
-              FROM ordered
-             WHERE a.id = ordered.id AND """
-        + _WITHIN_LIMITS
-        + """
-            RETURNING a.id, a.period_start)
-        , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT %(rid)s, id FROM held)
-        , entries AS (
-            INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-                input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
-            SELECT id, %(rid)s, 'HOLD', %(i)s, %(o)s, 0, 0, 1, period_start, '', '', now() FROM held)
-        SELECT COALESCE(array_agg(id), '{}') FROM held
-        """
-    )
-    # The reservation's INSERT comes from Django's compiler (positional %s); the rest is bound by name, so
-    # both are rendered to positional parameters here.
-    named_sql, named_params = _positional(cte, {**amounts, "ids": sorted(account_ids)})
+    insert_sql, insert_params = _insert_sql(reservation)
+    amounts = [reservation.input_reserved, reservation.output_reserved, reservation.pk, sorted(account_ids)]
     with connection.cursor() as cursor:
-        cursor.execute(f"WITH new_reservation AS ({insert_sql}){named_sql}", [*insert_params, *named_params])
+        cursor.execute(f"WITH new_reservation AS ({insert_sql}){_HOLD_SQL}", [*insert_params, *amounts])
         (held,) = cursor.fetchone()
     return set(held)
-
-
-def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
-    """``%(name)s`` placeholders to ``%s`` with the values in order (a name may repeat)."""
-    values: list[Any] = []
-
-    def take(match: re.Match[str]) -> str:
-        values.append(params[match.group(1)])
-        return "%s"
-
-    return re.sub(r"%\((\w+)\)s", take, sql), values
