@@ -376,7 +376,12 @@ def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -
     new, so nothing else can be waiting on it. Raises IntegrityError for an Idempotency-Key already used.
     """
     insert_sql, insert_params = _insert_sql(reservation)
-    amounts = [reservation.input_reserved, reservation.output_reserved, reservation.pk, sorted(account_ids)]
+    amounts: list[Any] = [
+        reservation.input_reserved,
+        reservation.output_reserved,
+        reservation.pk,
+        sorted(account_ids),
+    ]
     with connection.cursor() as cursor:
         cursor.execute(f"WITH new_reservation AS ({insert_sql}){_HOLD_SQL}", [*insert_params, *amounts])
         (held,) = cursor.fetchone()
