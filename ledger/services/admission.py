@@ -25,7 +25,7 @@ from ledger.models import (
     State,
 )
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
-from ledger.services.postings import hold_new_reservation, write_entries
+from ledger.services.postings import RecordInsert, hold_new_reservation, write_entries
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -117,12 +117,13 @@ def reserve(
     now: datetime,
     db_now: datetime | None = None,
     catalog_version: int | None = None,
-    record: Callable[[str], int | None] | None = None,
+    record: Callable[[str], RecordInsert] | None = None,
 ) -> Admitted:
     """Hold input, output and one concurrency slot on every applicable account, in one transaction.
 
-    ``record(state)``, when given, writes the caller's record of this admission inside the same transaction
-    (the manifest: it commits with the reservation or not at all) and returns its id for the reservation.
+    ``record(state)``, when given, is the INSERT of the caller's record of this admission (the manifest), run
+    in the same transaction — by the reserving statement itself — so it commits with the reservation or not at
+    all; the reservation references it.
     ``db_now`` is the database clock the lease is measured from (read now when not given).
 
     Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
@@ -143,16 +144,21 @@ def reserve(
         with transaction.atomic(durable=True):
             clock = db_now or locks.db_now()
             assert isinstance(clock, datetime)
-            manifest_id = record(State.RESERVED) if record is not None else spec.manifest_id
             reservation = _new_reservation(
                 spec,
                 State.RESERVED,
-                manifest_id=manifest_id,
+                manifest_id=spec.manifest_id,
                 concurrency_held=True,
                 lease_expires_at=clock + timedelta(seconds=settings.LEASE_SECONDS),
             )
             reservation.response_body = build_body(reservation)
-            held = hold_new_reservation(reservation, [a.pk for a in accounts])
+            held, record_id = hold_new_reservation(
+                reservation,
+                [a.pk for a in accounts],
+                None if record is None else record(State.RESERVED),
+            )
+            if record_id is not None:
+                reservation.manifest_id = record_id
             short = next((a for a in accounts if a.pk not in held), None)
             if short is not None:
                 raise ShortageSignal(short)
@@ -175,7 +181,7 @@ def _enqueue(
     spec: AdmissionSpec,
     build_body: Callable[[Reservation], dict[str, Any]],
     problem: QuotaExceeded,
-    record: Callable[[str], int | None] | None,
+    record: Callable[[str], RecordInsert] | None,
 ) -> Admitted:
     try:
         with transaction.atomic(durable=True):
@@ -184,7 +190,7 @@ def _enqueue(
             reservation = _new_reservation(
                 spec,
                 State.PROPOSED,
-                manifest_id=record(State.PROPOSED) if record is not None else spec.manifest_id,
+                manifest_id=record(State.PROPOSED).run() if record is not None else spec.manifest_id,
                 queue_deadline=db_now + timedelta(seconds=spec.queue_deadline_seconds),
                 request_body=spec.request_body,
                 failure_reason=problem.detail,

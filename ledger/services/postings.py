@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -174,27 +174,54 @@ def _update_sql(reservation: Reservation) -> tuple[str, list[Any]]:
     return sql, list(params)
 
 
-def _insert_sql(row: models.Model) -> tuple[str, list[Any]]:
+def _insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None) -> tuple[str, list[Any]]:
     """The INSERT of ``row`` and its parameters, as Django's compiler writes them (each field's ``pre_save``
     for an insert, then its ``get_db_prep_save``); the statement's text is built once per model and columns,
-    which keeps Django's compiler (most of a hot admission's Python time) off the hot path."""
+    which keeps Django's compiler (most of a hot admission's Python time) off the hot path. ``expressions``
+    gives a column an SQL expression instead of the row's value."""
     model = type(row)
+    given = expressions or {}
     fields = [
         f for f in model._meta.concrete_fields if not (f.primary_key and getattr(row, f.attname) is None)
     ]
-    params = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields]
-    return _insert_statement(model, tuple(f.column for f in fields)), params
+    params = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields if f.column not in given]
+    statement = _insert_statement(model, tuple(f.column for f in fields), tuple(sorted(given.items())))
+    return statement, params
 
 
 @functools.lru_cache(maxsize=64)
-def _insert_statement(model: type[models.Model], columns: tuple[str, ...]) -> str:
+def _insert_statement(
+    model: type[models.Model], columns: tuple[str, ...], expressions: tuple[tuple[str, str], ...]
+) -> str:
     if any(hasattr(f, "get_placeholder") for f in model._meta.concrete_fields):
         raise TypeError(f"{model.__name__} has a field with its own placeholder; use Django's compiler")
     quote = connection.ops.quote_name
-    return (
-        f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) "
-        f"VALUES ({', '.join(['%s'] * len(columns))})"
-    )
+    given = dict(expressions)
+    values = ", ".join(given.get(column, "%s") for column in columns)
+    return f"INSERT INTO {quote(model._meta.db_table)} ({', '.join(map(quote, columns))}) VALUES ({values})"
+
+
+@dataclass(frozen=True)
+class RecordInsert:
+    """The INSERT of a caller's record of an admission (its manifest), returning the record's id. The
+    reserving statement runs it itself (``hold_new_reservation``): no round trip of its own."""
+
+    sql: str
+    params: list[Any]
+
+    @classmethod
+    def of(cls, row: models.Model) -> RecordInsert:
+        sql, params = _insert_sql(row)
+        pk = type(row)._meta.pk
+        assert pk is not None and pk.column is not None
+        return cls(f"{sql} RETURNING {connection.ops.quote_name(pk.column)}", params)
+
+    def run(self) -> int:
+        """Run it on its own; returns the new record's id."""
+        with connection.cursor() as cursor:
+            cursor.execute(self.sql, self.params)
+            (record_id,) = cursor.fetchone()
+        return int(record_id)
 
 
 def held_account_ids(reservation: Reservation) -> list[int]:
@@ -362,20 +389,33 @@ _HOLD_SQL = (
         INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
             input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
         SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.period_start, '', '', now() FROM held, m)
-    SELECT COALESCE(array_agg(id), '{}') FROM held
+    SELECT COALESCE(array_agg(id), '{{}}'), {record_id} FROM held
     """
 )
 
 
-def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -> set[int]:
+def hold_new_reservation(
+    reservation: Reservation, account_ids: Sequence[int], record: RecordInsert | None = None
+) -> tuple[set[int], int | None]:
     """Insert a new reservation and hold its input, output and one concurrency slot on every account, each
-    conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement.
+    conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement. With
+    ``record``, the same statement inserts the caller's record first and the reservation references it.
 
-    Returns the accounts that were held; when one is missing the caller must roll the transaction back (the
-    others were held). Accounts are locked in ascending id order (the canonical order); the reservation row is
-    new, so nothing else can be waiting on it. Raises IntegrityError for an Idempotency-Key already used.
+    Returns the accounts that were held and the record's id; when an account is missing the caller must roll
+    the transaction back (the others were held). Accounts are locked in ascending id order (the canonical
+    order); the reservation row is new, so nothing else can be waiting on it. Raises IntegrityError for an
+    Idempotency-Key already used.
     """
-    insert_sql, insert_params = _insert_sql(reservation)
+    if record is None:
+        insert_sql, insert_params = _insert_sql(reservation)
+        prefix, prefix_params, record_id = "WITH ", [], "NULL::bigint"
+    else:
+        insert_sql, insert_params = _insert_sql(reservation, {"manifest_id": "(SELECT id FROM record)"})
+        prefix, prefix_params, record_id = (
+            f"WITH record AS ({record.sql}), ",
+            record.params,
+            "(SELECT id FROM record)",
+        )
     amounts: list[Any] = [
         reservation.input_reserved,
         reservation.output_reserved,
@@ -383,6 +423,9 @@ def hold_new_reservation(reservation: Reservation, account_ids: Sequence[int]) -
         sorted(account_ids),
     ]
     with connection.cursor() as cursor:
-        cursor.execute(f"WITH new_reservation AS ({insert_sql}){_HOLD_SQL}", [*insert_params, *amounts])
-        (held,) = cursor.fetchone()
-    return set(held)
+        cursor.execute(
+            f"{prefix}new_reservation AS ({insert_sql}){_HOLD_SQL.format(record_id=record_id)}",
+            [*prefix_params, *insert_params, *amounts],
+        )
+        held, new_record_id = cursor.fetchone()
+    return set(held), new_record_id

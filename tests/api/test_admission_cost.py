@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from budgeting.admission.models import Answer, Manifest
 from ledger.models import LedgerEntry, Reservation, State
 from tests.api.test_admissions import request_body
 from tests.dbwork import DbWork, count_db_work
@@ -32,6 +33,8 @@ def test_a_warm_admission_is_one_transaction_one_commit_and_few_statements(demo_
     reservation = Reservation.objects.get(pk=body["reservationId"])
     assert reservation.state == State.RESERVED
     assert reservation.manifest_id == body["manifestId"]
+    # The manifest is written by the reserving statement itself, with the answer the caller got.
+    assert Manifest.objects.get(pk=body["manifestId"]).answer == Answer.RESERVED
 
 
 def one_write_transaction(work: DbWork) -> bool:
