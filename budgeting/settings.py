@@ -287,7 +287,7 @@ ACCOUNT_CACHE_SECONDS = env_int("ACCOUNT_CACHE_SECONDS", 5, minimum=0)
 # Segment counts kept in each process in front of Redis (an entry is a key of ~100 bytes and an int).
 COUNT_CACHE_LOCAL_ENTRIES = env_int("COUNT_CACHE_LOCAL_ENTRIES", 200_000, minimum=0)
 # Ladder decisions kept in each process for repeats of the same components (admission/decision_memo.py),
-# bounded by the size of their requests' JSON; 0 turns the memo off.
+# bounded by the memory they take (about five times their requests' JSON); 0 turns the memo off.
 DECISION_MEMO_BYTES = env_int("DECISION_MEMO_BYTES", 64 * 1024 * 1024, minimum=0)
 
 # Structured logs: JSON lines in production, key=value lines for a person reading a terminal.
