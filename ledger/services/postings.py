@@ -177,8 +177,8 @@ def _update_sql(reservation: Reservation) -> tuple[str, list[Any]]:
 def _insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None) -> tuple[str, list[Any]]:
     """The INSERT of ``row`` and its parameters, as Django's compiler writes them (each field's ``pre_save``
     for an insert, then its ``get_db_prep_save``); the statement's text is built once per model and columns,
-    which keeps Django's compiler (most of a hot admission's Python time) off the hot path. ``expressions``
-    gives a column an SQL expression instead of the row's value."""
+    which keeps Django's compiler (about half of a service-layer reserve's Python time) off the hot path.
+    ``expressions`` gives a column an SQL expression instead of the row's value."""
     model = type(row)
     given = expressions or {}
     fields = [
@@ -368,8 +368,9 @@ _WITHIN_LIMITS = """
 """
 
 
-# The holds of a new reservation after its INSERT: the amounts are bound once (``m``), so that the statement
-# has fewer than 50 parameters and psycopg converts its text once per process, not once per admission.
+# The holds of a new reservation after its INSERT: the amounts are bound once (``m``). Without a record the
+# statement then has fewer than 50 parameters, and psycopg converts its text once per process (it caches
+# only statements under 50 parameters); with the manifest's INSERT it has more, and a round trip less.
 _HOLD_SQL = (
     """
     , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid)
