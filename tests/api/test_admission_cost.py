@@ -4,6 +4,7 @@ commit per admission, at most 6 statements for a warm admission and 4 for a life
 from __future__ import annotations
 
 import pytest
+from django.db import connection
 
 from budgeting.admission.models import Answer, Manifest
 from ledger.models import LedgerEntry, Reservation, State
@@ -90,3 +91,20 @@ def test_cancel_and_fail_are_one_transaction_each(demo_api):
         work = lifecycle_work(demo_api, f"/api/v1/reservations/{body['reservationId']}/{action}", payload)
         assert len(work.statements) <= MAX_LIFECYCLE_STATEMENTS, f"{action}: {work.summary()}"
         assert one_write_transaction(work), f"{action}: {work.summary()}"
+
+
+def test_the_prepared_reserving_statement_survives_a_failed_execution(demo_api):
+    """The reserving statement is prepared once per connection; an execution that fails (an Idempotency-Key
+    already used: the unique index refuses the INSERT and the transaction rolls back) must leave it usable, on
+    a fresh connection too."""
+    first, _ = admit(demo_api, 0)
+    connection.close()  # the next statement prepares anew, and its first execution fails
+    again = demo_api.post(
+        "/api/v1/admissions", request_body(requestId="cost-0"), format="json", HTTP_IDEMPOTENCY_KEY="cost-0"
+    )
+    assert again.status_code == 200 and again["Idempotent-Replayed"] == "true"
+    assert again.json()["reservationId"] == first["reservationId"]
+    assert again.json()["manifestId"] == first["manifestId"]
+    second, work = admit(demo_api, 1)
+    assert second["reservationId"] != first["reservationId"]
+    assert work.commits == 1, work.summary()
