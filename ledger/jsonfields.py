@@ -17,4 +17,8 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 class FastJSONEncoder(DjangoJSONEncoder):
     def encode(self, o: Any) -> str:
-        return orjson.dumps(o, default=self.default, option=orjson.OPT_NON_STR_KEYS).decode()
+        try:
+            return orjson.dumps(o, default=self.default, option=orjson.OPT_NON_STR_KEYS).decode()
+        except orjson.JSONEncodeError:
+            # What orjson refuses and json writes (an integer beyond 64 bits): Django's encoder, as before.
+            return super().encode(o)

@@ -29,6 +29,10 @@ class FastJSONRenderer(JSONRenderer):
     ) -> bytes:
         if data is None:
             return b""
-        encoded = orjson.dumps(data, default=_DRF.default, option=_OPTIONS)
+        try:
+            encoded = orjson.dumps(data, default=_DRF.default, option=_OPTIONS)
+        except orjson.JSONEncodeError:
+            # What orjson refuses and json writes (an integer beyond 64 bits): DRF's renderer, as before.
+            return super().render(data, accepted_media_type, renderer_context)
         # As DRF does: U+2028 and U+2029 escaped, for clients that read JSON as JavaScript.
         return encoded.replace(b"\xe2\x80\xa8", b"\\u2028").replace(b"\xe2\x80\xa9", b"\\u2029")

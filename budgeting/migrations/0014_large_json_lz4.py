@@ -2,7 +2,7 @@
 
 An admission writes the request into its manifest and the answer (with the admitted payload) into its
 reservation, each about the size of the request. PostgreSQL's default TOAST compression (pglz) took ~5 ms per
-184 KB value on this project's benchmark machine, lz4 ~1.4 ms at a similar ratio. A server built without lz4
+184 KB value on this project's benchmark machine, lz4 ~1.4 ms (it compresses less: 62 KB against 33 KB). A server built without lz4
 (the embedded one) keeps pglz: the migration asks the server which methods it has.
 """
 

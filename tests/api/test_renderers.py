@@ -48,8 +48,15 @@ def test_the_types_the_api_answers_with_are_written_byte_for_byte_as_before():
     assert FastJSONRenderer().render(None) == JSONRenderer().render(None) == b""
 
 
+def test_what_orjson_refuses_is_rendered_by_drf_as_before():
+    value = {"big": 2**70}
+    expected = b'{"big":1180591620717411303424}'
+    assert FastJSONRenderer().render(value) == JSONRenderer().render(value) == expected
+
+
 def test_the_json_columns_encoder_stores_what_django_would():
     value = {"request": {"text": "第七条", "n": [1, 2.5, None, True]}, "at": "2026-11-30T12:00:00Z"}
     assert json.loads(json.dumps(value, cls=FastJSONEncoder)) == value
+    assert json.loads(json.dumps({"big": 2**70}, cls=FastJSONEncoder)) == {"big": 2**70}
     an_id = uuid.UUID(int=1)
     assert json.loads(json.dumps({"id": an_id}, cls=FastJSONEncoder)) == {"id": str(an_id)}
