@@ -95,7 +95,7 @@ def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
         )
     version = caller.snapshot.version
     keyed = None if version is None else memo_key(request, version)
-    prepared = None if keyed is None else _remembered(caller, keyed[0])
+    prepared = None if keyed is None else _remembered(caller, keyed[0], resolved)
     if prepared is None:
         prepared = _decide(caller, request, resolved)
         if keyed is not None and memoizable(prepared.decision):
@@ -108,13 +108,15 @@ def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
     return Context(caller, tenant, resolved, request, prepared, decision)
 
 
-def _remembered(caller: Caller, key: str) -> Prepared | None:
-    """The memo's entry for ``key``, while the exact counter of its decision's model still loads."""
+def _remembered(caller: Caller, key: str, resolved: Resolved) -> Prepared | None:
+    """The memo's entry for ``key``, while the exact counters it was counted with still load (the requested
+    model's, and the model it went to)."""
     prepared = decision_memo().get(key)
     if prepared is None or prepared.decision.count is None:
         return prepared
     try:
-        caller.snapshot.counter_for(prepared.decision.model)
+        for spec in (resolved.model_spec, prepared.decision.model):
+            caller.snapshot.counter_for(spec)
     except CountingUnavailable:
         return None
     return prepared
