@@ -94,7 +94,8 @@ def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
             activePolicyRevision=resolved.policy_revision,
         )
     version = caller.snapshot.version
-    keyed = None if version is None else memo_key(request, version)
+    # Not keyed (no encoding of the body for nothing) with the memo off or while the catalog has no version.
+    keyed = None if version is None or not decision_memo().max_bytes else memo_key(request, version)
     prepared = None if keyed is None else _remembered(caller, keyed[0], resolved)
     if prepared is None:
         prepared = _decide(caller, request, resolved)

@@ -118,3 +118,15 @@ def test_the_memo_drops_the_least_recently_used_beyond_its_size():
     memo.put("huge", entry, 101)
     assert memo.get("huge") is None and len(memo) == 2
     assert decision_memo() is decision_memo()
+
+
+def test_with_the_memo_off_nothing_is_keyed_and_every_request_walks_the_ladder(
+    demo_api, ladder_walks, monkeypatch
+):
+    keyed: list[object] = []
+    monkeypatch.setattr(decision_memo(), "max_bytes", 0)
+    monkeypatch.setattr(orchestrator, "memo_key", lambda *args: keyed.append(args))
+    count(demo_api, requestId="memo-13")
+    count(demo_api, requestId="memo-14")
+    assert ladder_walks == ["memo-13", "memo-14"]
+    assert keyed == []
