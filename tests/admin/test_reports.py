@@ -110,14 +110,17 @@ def test_a_price_change_splits_usage_at_the_effective_date(users, scenario):
     model = scenario.model
     change = timezone.now() - timedelta(minutes=1)
     early = scenario.reservations["full"]
-    Reservation.objects.filter(pk=early.pk).update(created_at=change - timedelta(hours=1))
+    early_at = change - timedelta(hours=1)
+    Reservation.objects.filter(pk=early.pk).update(created_at=early_at)
     Price.objects.create(
         model_revision=model,
         effective_from=change,
         input_per_million=Decimal("6"),
         output_per_million=Decimal("30"),
     )
-    got = rows(login("analyst").get(URL, {"format": "csv", "from": today(), "to": today()}))
+    # From the early request's day: in the first hour after midnight UTC it falls on the day before.
+    since = early_at.date().isoformat()
+    got = rows(login("analyst").get(URL, {"format": "csv", "from": since, "to": today()}))
     by_price = {}
     for r in got:
         by_price.setdefault(r["inputPricePerMillion"], 0)
