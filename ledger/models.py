@@ -14,7 +14,7 @@ from django.db.models import F, Q
 from django_fsm import FSMField, FSMModelMixin, transition
 
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
-from ledger.jsonfields import FastJSONEncoder
+from ledger.jsonfields import PackedJSONField
 
 
 class Scope(models.TextChoices):
@@ -195,11 +195,9 @@ class Reservation(FSMModelMixin, models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     failure_reason = models.CharField(max_length=300, blank=True)
     queue_deadline = models.DateTimeField(null=True, blank=True)
-    request_body = models.JSONField(
-        null=True, blank=True, encoder=FastJSONEncoder, help_text="Kept while queued, to admit later."
-    )
-    response_body = models.JSONField(
-        null=True, blank=True, encoder=FastJSONEncoder, help_text="The first answer, for idempotent replays."
+    request_body = PackedJSONField(null=True, blank=True, help_text="Kept while queued, to admit later.")
+    response_body = PackedJSONField(
+        null=True, blank=True, help_text="The first answer, for idempotent replays."
     )
 
     task_success = models.BooleanField(null=True, blank=True)

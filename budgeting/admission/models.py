@@ -9,7 +9,7 @@ from django.db import models
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from ladder.decision import CONTEXT_BUDGET_EXCEEDED, COUNTING_UNAVAILABLE, MINIMUM_EVIDENCE_UNAVAILABLE
 from ladder.policy import RUNGS
-from ledger.jsonfields import FastJSONEncoder
+from ledger.jsonfields import FastJSONEncoder, PackedJSONField
 
 
 class Decision(models.TextChoices):
@@ -61,8 +61,7 @@ class Manifest(models.Model):
     rendered_digest = models.CharField(max_length=71)
     input_tokens = models.PositiveIntegerField()
     count_method = models.CharField(max_length=16)
-    request = models.JSONField(
-        encoder=FastJSONEncoder,
+    request = PackedJSONField(
         help_text="The admission request as received (components included) for replay.",
     )
     record = models.JSONField(
