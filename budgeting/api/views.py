@@ -20,6 +20,7 @@ from rest_framework.views import APIView
 
 from budgeting.admission import orchestrator as admission
 from budgeting.admission.request import AdmissionRequest
+from budgeting.api.fastpath import fast_validator
 from budgeting.api.problems import problem_body
 from budgeting.api.serializers import (
     AdmissionIn,
@@ -122,6 +123,10 @@ class TenantScopedView(APIView):
         return self.caller().tenant_ids
 
     def validated(self, serializer_class: type[drf_serializers.Serializer], data: Any) -> dict[str, Any]:
+        fast = fast_validator(serializer_class)
+        validated = None if fast is None else fast(data)
+        if validated is not None:
+            return validated
         serializer = serializer_class(data=data)
         if not serializer.is_valid():
             raise InvalidInput("the body does not match the schema", errors=serializer.errors)
