@@ -81,6 +81,11 @@ def database_from_url(url: str) -> dict[str, object]:
     options = {key: values[-1] for key, values in parse_qs(parsed.query).items()}
     # A database that does not answer fails the request fast (503) instead of holding a worker.
     options.setdefault("connect_timeout", "3")
+    # The reserving statement is prepared once per connection (ledger/services/postings.py); Django's own
+    # statements bind on the client and are never prepared. Behind a pooler in transaction mode, add
+    # ?prepare_threshold=none to DATABASE_URL.
+    threshold = options.pop("prepare_threshold", "1")
+    prepare_threshold: int | None = None if threshold.lower() == "none" else int(threshold)
     host = unquote(parsed.hostname or "") or options.pop("host", "")
     return {
         "ENGINE": "django.db.backends.postgresql",
@@ -92,7 +97,7 @@ def database_from_url(url: str) -> dict[str, object]:
         "CONN_MAX_AGE": env_int("DB_CONN_MAX_AGE", 60),
         "CONN_HEALTH_CHECKS": True,
         "ATOMIC_REQUESTS": False,
-        "OPTIONS": options,
+        "OPTIONS": {**options, "prepare_threshold": prepare_threshold},
         "TEST": {"NAME": f"test_{name}"},
     }
 

@@ -2,7 +2,9 @@
 
 Counted on the Django connection of this process: every statement through an execute wrapper, every COMMIT and
 ROLLBACK through the connection's own methods. A statement run in autocommit mode is a transaction of its own
-(and a commit when it writes), as PostgreSQL counts it.
+(and a commit when it writes), as PostgreSQL counts it. ``sent`` is what the driver (psycopg) was asked to
+run, through Django's wrappers or not: a statement there and not in ``statements`` went around them (Django's
+own connection health check does).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
+import psycopg
 from django.db import connection
 
 WRITES = ("INSERT", "UPDATE", "DELETE", "WITH")
@@ -21,6 +24,7 @@ WRITES = ("INSERT", "UPDATE", "DELETE", "WITH")
 @dataclass
 class DbWork:
     statements: list[str] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)
     autocommit_statements: int = 0
     autocommit_writes: int = 0
     explicit_commits: int = 0
@@ -56,6 +60,15 @@ def count_db_work() -> Iterator[DbWork]:
         return execute(sql, params, many, context)
 
     real_commit, real_rollback = connection.commit, connection.rollback
+    real_execute, real_executemany = psycopg.Cursor.execute, psycopg.Cursor.executemany
+
+    def execute(cursor: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        work.sent.append(str(query))
+        return real_execute(cursor, query, *args, **kwargs)
+
+    def executemany(cursor: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        work.sent.append(str(query))
+        return real_executemany(cursor, query, *args, **kwargs)
 
     def commit() -> None:
         work.explicit_commits += 1
@@ -69,5 +82,7 @@ def count_db_work() -> Iterator[DbWork]:
         connection.execute_wrapper(wrapper),
         mock.patch.object(connection, "commit", commit),
         mock.patch.object(connection, "rollback", rollback),
+        mock.patch.object(psycopg.Cursor, "execute", execute),
+        mock.patch.object(psycopg.Cursor, "executemany", executemany),
     ):
         yield work

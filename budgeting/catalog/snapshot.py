@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import cast
 
 from django.conf import settings
-from django.db import connection
+from django.db import InterfaceError, OperationalError, connection
 
 from budgeting.catalog.errors import NotFound, Unavailable
 from budgeting.catalog.models import (
@@ -265,17 +265,46 @@ _LOCK = threading.Lock()
 _current: Snapshot | None = None
 
 
+def _read_version() -> tuple[int | None, datetime]:
+    """The catalog version and the database clock: the first statement of every API request.
+
+    It is also the request's connection health check (CONN_HEALTH_CHECKS): Django would first send a
+    ``SELECT 1`` of its own on a connection kept from an earlier request, a round trip per request. Here a
+    kept connection that fails this read (the server restarted) is closed and the read is tried once on a
+    new connection, as Django's check would have done before it.
+    """
+    kept = (
+        connection.connection is not None
+        and connection.health_check_enabled
+        and not connection.health_check_done
+        and not connection.in_atomic_block
+    )
+    connection.health_check_done = True
+    try:
+        return _version_and_clock()
+    except (OperationalError, InterfaceError):
+        if not kept:
+            raise
+    connection.close()
+    return _version_and_clock()
+
+
+def _version_and_clock() -> tuple[int | None, datetime]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT (SELECT version FROM budgeting_catalogversion WHERE id = 1), clock_timestamp()"
+        )
+        version, db_now = cursor.fetchone()
+    return version, db_now
+
+
 def current() -> tuple[Snapshot, datetime]:
     """The snapshot valid now, and the database clock. One statement unless the catalog changed.
 
     With no version row (an emptied table, as between tests) nothing is cached: every call reads afresh.
     """
     global _current
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT (SELECT version FROM budgeting_catalogversion WHERE id = 1), clock_timestamp()"
-        )
-        version, db_now = cursor.fetchone()
+    version, db_now = _read_version()
     snapshot = _current
     if snapshot is None or version is None or snapshot.version != version:
         with _LOCK:

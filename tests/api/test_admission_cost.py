@@ -3,6 +3,7 @@ commit per admission, at most 6 statements for a warm admission and 4 for a life
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 from django.db import connection
 
@@ -108,3 +109,60 @@ def test_the_prepared_reserving_statement_survives_a_failed_execution(demo_api):
     second, work = admit(demo_api, 1)
     assert second["reservationId"] != first["reservationId"]
     assert work.commits == 1, work.summary()
+
+
+def start_request_as_the_server_does() -> None:
+    """What Django runs when a request starts (the test client leaves it out): a connection kept from an
+    earlier request is due for its health check."""
+    connection.close_if_unusable_or_obsolete()
+
+
+def test_the_connection_health_check_costs_no_statement_of_its_own(demo_api):
+    """Django would send SELECT 1 before a request's first statement on a kept connection; the catalog
+    version read, which every API request sends first anyway, is the check."""
+    admit(demo_api, 0)
+    start_request_as_the_server_does()
+    _, work = admit(demo_api, 1)
+    assert len(work.sent) == len(work.statements) == 2, (work.sent, work.summary())
+    assert "SELECT 1" not in work.sent
+    # Negative control: the recorder sees Django's own check when something else is the first statement.
+    start_request_as_the_server_does()
+    with count_db_work() as other:
+        Reservation.objects.count()
+    assert other.sent == ["SELECT 1", *other.statements]
+
+
+def kill_this_connection() -> None:
+    pid = connection.connection.info.backend_pid
+    with psycopg.connect(connection.connection.info.dsn, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+
+
+def test_a_kept_connection_that_died_is_replaced_before_the_request_uses_it(demo_api):
+    admit(demo_api, 0)
+    kill_this_connection()  # as a database restart between two requests does
+    start_request_as_the_server_does()
+    body, _ = admit(demo_api, 1)
+    assert Reservation.objects.get(pk=body["reservationId"]).state == State.RESERVED
+    # Negative control: a connection that dies after the request's check is not silently retried.
+    kill_this_connection()
+    res = demo_api.post(
+        "/api/v1/admissions", request_body(requestId="cost-2"), format="json", HTTP_IDEMPOTENCY_KEY="cost-2"
+    )
+    assert res.status_code == 503 and res.json()["code"] == "SERVICE_UNAVAILABLE"
+    connection.close()  # as Django does at the end of a request that left the connection broken
+    assert not Reservation.objects.filter(request_id="cost-2").exists()
+
+
+def test_the_reserving_statement_is_prepared_once_per_connection(demo_api):
+    """Django turns prepared statements off unless asked (settings: prepare_threshold); the reserving
+    statement asks, so PostgreSQL plans it once per connection, not once per admission."""
+    for n in range(3):
+        admit(demo_api, n)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans + custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE 'WITH record AS (INSERT INTO \"budgeting_manifest\"%%'"
+        )
+        rows = cursor.fetchall()
+    assert rows == [(3,)]
