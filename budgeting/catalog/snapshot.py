@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
@@ -273,13 +273,14 @@ def _read_version() -> tuple[int | None, datetime]:
     kept connection that fails this read (the server restarted) is closed and the read is tried once on a
     new connection, as Django's check would have done before it.
     """
+    db: Any = connection  # the health check's attributes are not in django-stubs
     kept = (
-        connection.connection is not None
-        and connection.health_check_enabled
-        and not connection.health_check_done
-        and not connection.in_atomic_block
+        db.connection is not None
+        and db.health_check_enabled
+        and not db.health_check_done
+        and not db.in_atomic_block
     )
-    connection.health_check_done = True
+    db.health_check_done = True
     try:
         return _version_and_clock()
     except (OperationalError, InterfaceError):
