@@ -187,9 +187,46 @@ def _insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None)
     fields = [
         f for f in model._meta.concrete_fields if not (f.primary_key and getattr(row, f.attname) is None)
     ]
-    params = [f.get_db_prep_save(f.pre_save(row, True), connection) for f in fields if f.column not in given]
+    params = [_db_value(f, row) for f in fields if f.column not in given]
     statement = _insert_statement(model, tuple(f.column for f in fields), tuple(sorted(given.items())))
     return statement, params
+
+
+# Fields whose value, when already of one of these exact types, is what Django would send (their ``pre_save``
+# reads the attribute; their ``get_db_prep_save`` gives such a value back unchanged, an integer wrapped in the
+# PostgreSQL type of its column).
+_PLAIN_TYPES: dict[type, tuple[type, ...]] = {
+    models.CharField: (str, type(None)),
+    models.TextField: (str, type(None)),
+    models.IntegerField: (int, type(None)),
+    models.BigIntegerField: (int, type(None)),
+    models.PositiveIntegerField: (int, type(None)),
+    models.AutoField: (int, type(None)),
+    models.BigAutoField: (int, type(None)),
+    models.BooleanField: (bool, type(None)),
+}
+
+
+@functools.cache
+def _plain_types(field: models.Field[Any, Any]) -> tuple[tuple[type, ...], type | None]:
+    """The value types ``field`` passes through, and the int subclass Django wraps its integers in (the
+    PostgreSQL type of the column, so a prepared statement's parameter types never change)."""
+    target = field.target_field if isinstance(field, models.ForeignKey) else field
+    types = _PLAIN_TYPES.get(type(target), ())
+    if int not in types:
+        return types, None
+    wrapper = type(field.get_db_prep_save(1, connection))
+    return types, None if wrapper is int else wrapper
+
+
+def _db_value(field: models.Field[Any, Any], row: models.Model) -> Any:
+    """``field.get_db_prep_save(field.pre_save(row, True))``, without the calls when they would change
+    nothing (most of an admission's ~60 columns): a third of ``_insert_sql``'s time under load."""
+    value = getattr(row, field.attname)
+    types, wrapper = _plain_types(field)
+    if type(value) in types:
+        return value if wrapper is None or value is None else wrapper(value)
+    return field.get_db_prep_save(field.pre_save(row, True), connection)
 
 
 @functools.lru_cache(maxsize=64)

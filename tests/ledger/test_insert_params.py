@@ -1,0 +1,38 @@
+"""The reserving statement's parameters skip Django's per-field preparation only where it would change
+nothing: for every field of the rows it inserts, a value of the types it passes through is exactly what
+``get_db_prep_save`` gives."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from budgeting.admission.models import Manifest
+from ledger.models import Hold, LedgerEntry, Reservation
+from ledger.services.postings import _db_value, _plain_types
+
+SAMPLES = {str: ["", "sha256:abc", "第七条"], int: [0, 7, 2**40, -3], bool: [True, False], type(None): [None]}
+
+
+@pytest.mark.parametrize("model", [Reservation, Manifest, Hold, LedgerEntry])
+def test_a_value_passed_through_is_what_django_would_send(model):
+    passed = 0
+    row = model()
+    for field in model._meta.concrete_fields:
+        if field.primary_key:
+            continue
+        for kind in _plain_types(field)[0]:
+            for value in SAMPLES[kind]:
+                setattr(row, field.attname, value)
+                expected = field.get_db_prep_save(value, connection)
+                assert _db_value(field, row) == expected, field
+                assert type(_db_value(field, row)) is type(expected), field
+                passed += 1
+    assert passed > 0
+
+
+def test_fields_that_convert_are_not_passed_through():
+    kinds = {f.name: _plain_types(f) for f in Reservation._meta.concrete_fields}
+    assert kinds["response_body"] == ((), None) and kinds["created_at"] == ((), None)
+    assert kinds["id"] == ((), None)  # a UUID
+    assert kinds["tenant"][0] == (int, type(None)) and kinds["request_id"] == ((str, type(None)), None)
