@@ -450,13 +450,17 @@ _WITHIN_LIMITS = """
 """
 
 
-# The holds of a new reservation after its INSERT: the amounts are bound once (``m``). Without a record the
-# statement then has fewer than 50 parameters, and psycopg converts its text once per process (it caches
-# only statements under 50 parameters); with the manifest's INSERT it has more, and a round trip less.
+# The holds of a new reservation after its INSERT: the amounts are bound once (``m``). The accounts are locked
+# only once the record and the reservation are written (``ordered`` reads ``new_reservation``; an unread
+# data-modifying CTE would run after the main query, inside the locks): the hot rows stay locked for the
+# holds, the entries and the commit only, and a replayed Idempotency-Key fails before taking any lock.
 _HOLD_SQL = (
     """
     , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid)
-    , ordered AS (SELECT id FROM ledger_capacityaccount WHERE id = ANY(%s::bigint[]) ORDER BY id FOR UPDATE)
+    , ordered AS (
+        SELECT id FROM ledger_capacityaccount
+         WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM new_reservation)
+         ORDER BY id FOR UPDATE)
     , held AS (
         UPDATE ledger_capacityaccount AS a
            SET input_reserved = a.input_reserved + m.i,
@@ -507,7 +511,7 @@ def hold_new_reservation(
     ]
     with prepared_cursor() as cursor:
         cursor.execute(
-            f"{prefix}new_reservation AS ({insert_sql}){_HOLD_SQL.format(record_id=record_id)}",
+            f"{prefix}new_reservation AS ({insert_sql} RETURNING id){_HOLD_SQL.format(record_id=record_id)}",
             [*prefix_params, *insert_params, *amounts],
         )
         held, new_record_id = cursor.fetchone()

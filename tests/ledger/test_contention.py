@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 
@@ -159,3 +160,23 @@ def test_negative_control_naive_read_then_write_is_caught():
     assert successes > 10
     assert not audit().ok
     connection.close()
+
+
+def test_a_replayed_key_answers_without_waiting_for_the_hot_accounts():
+    """The reserving statement writes the reservation before it locks any account: a retry of a key already
+    admitted fails on the unique index at once, while another transaction holds the account (a slow
+    admission, a roll-over), instead of queueing behind it for nothing."""
+    cat = catalog()
+    account = tenant_account(cat)
+    first = admit(spec(cat, key="retry-me"))
+    with psycopg.connect(connection.connection.info.dsn) as other:
+        other.execute("SELECT 1 FROM ledger_capacityaccount WHERE id = %s FOR UPDATE", [account.pk])
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '2s'")
+        try:
+            again = admit(spec(cat, key="retry-me"))
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+        other.rollback()
+    assert again.replayed and again.reservation.pk == first.reservation.pk
