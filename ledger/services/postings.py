@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -192,9 +193,10 @@ def _insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None)
     return statement, params
 
 
-# Fields whose value, when already of one of these exact types, is what Django would send (their ``pre_save``
-# reads the attribute; their ``get_db_prep_save`` gives such a value back unchanged, an integer wrapped in the
-# PostgreSQL type of its column).
+# Fields whose value, when of one of these exact types, is what Django would send (their ``pre_save`` reads
+# the attribute; their ``get_db_prep_save`` gives such a value back unchanged, an integer wrapped in the
+# PostgreSQL type of its column). A subclass counts only when it changes none of that (django-fsm's state
+# field); a field that sets its own value on save (auto_now, auto_now_add) never does.
 _PLAIN_TYPES: dict[type, tuple[type, ...]] = {
     models.CharField: (str, type(None)),
     models.TextField: (str, type(None)),
@@ -204,7 +206,19 @@ _PLAIN_TYPES: dict[type, tuple[type, ...]] = {
     models.AutoField: (int, type(None)),
     models.BigAutoField: (int, type(None)),
     models.BooleanField: (bool, type(None)),
+    models.UUIDField: (uuid.UUID, type(None)),
+    models.DateTimeField: (type(None),),
+    models.JSONField: (type(None),),
 }
+_PREPARATION = ("pre_save", "get_db_prep_save", "get_db_prep_value", "get_prep_value")
+
+
+def _passes_through(cls: type) -> tuple[type, ...]:
+    for base in cls.__mro__:
+        if base in _PLAIN_TYPES:
+            same = all(getattr(cls, name) is getattr(base, name) for name in _PREPARATION)
+            return _PLAIN_TYPES[base] if same else ()
+    return ()
 
 
 @functools.cache
@@ -212,7 +226,9 @@ def _plain_types(field: models.Field[Any, Any]) -> tuple[tuple[type, ...], type 
     """The value types ``field`` passes through, and the int subclass Django wraps its integers in (the
     PostgreSQL type of the column, so a prepared statement's parameter types never change)."""
     target = field.target_field if isinstance(field, models.ForeignKey) else field
-    types = _PLAIN_TYPES.get(type(target), ())
+    if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
+        return (), None
+    types = _passes_through(type(target))
     if int not in types:
         return types, None
     wrapper = type(field.get_db_prep_save(1, connection))
