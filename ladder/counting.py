@@ -91,7 +91,7 @@ def file_digest(data: bytes) -> str:
 _LOCK = threading.Lock()
 # One Tokenizer per file content per process, and the digest of each file version seen (keyed by its stat).
 _BY_DIGEST: dict[str, Tokenizer] = {}
-_DIGEST_BY_STAT: dict[tuple[str, int, int, int, int], str] = {}
+_DIGEST_BY_STAT: dict[tuple[str, int, int, int, int, int], str] = {}
 
 
 def _load(digest: str, data: bytes) -> Tokenizer:
@@ -135,9 +135,10 @@ class TokenizerCounter:
         """
         file = Path(path)
         try:
-            # A rewritten or replaced file has a new stat key, so it is read and hashed again.
+            # A rewritten or replaced file (or a symlink pointed elsewhere: stat follows it) has a new stat
+            # key, so it is read and hashed again. No resolve(): it costs ten stats, on every admission.
             stat = file.stat()
-            stat_key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
+            stat_key = (str(file), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
             with _LOCK:
                 digest = _DIGEST_BY_STAT.get(stat_key, "")
                 tokenizer = _BY_DIGEST.get(digest)

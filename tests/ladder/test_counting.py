@@ -131,6 +131,18 @@ def test_hot_swap_in_place_is_detected(tmp_path: Path) -> None:
     assert after.digest != before.digest
 
 
+def test_a_symlink_pointed_at_another_file_is_detected(tmp_path: Path) -> None:
+    """The stat key is the link's target (stat follows it), not the link's path."""
+    link = tmp_path / "current.json"
+    link.symlink_to(LEGACY_FILE)
+    before = TokenizerCounter.from_file(link)
+    assert before.digest == legacy_counter().digest
+    link.unlink()
+    link.symlink_to(_modified_copy(LEGACY_FILE, tmp_path / "next.json", 1000))
+    after = TokenizerCounter.from_file(link)
+    assert after.digest == file_digest((tmp_path / "next.json").read_bytes()) != before.digest
+
+
 def test_a_file_is_loaded_once_per_process() -> None:
     assert TokenizerCounter.from_file(DEEPSEEK_FILE).tokenizer is deepseek_counter().tokenizer
     assert TokenizerCounter.from_file(str(DEEPSEEK_FILE)).tokenizer is deepseek_counter().tokenizer
