@@ -126,10 +126,8 @@ def raw_baseline(
         conn = conns[i]
         with conn.transaction():
             rid = uuid.uuid4()
-            conn.execute(
-                RAW_INSERT,
-                (rid, tenant, refs["task"], refs["pool"], refs["model"], f"raw-{i}-{n}", f"raw-{i}-{n}"),
-            )
+            key = f"raw-{i}-{n}-{time.monotonic_ns()}"  # unique across runs in one database
+            conn.execute(RAW_INSERT, (rid, tenant, refs["task"], refs["pool"], refs["model"], key, key))
             for account in account_ids:
                 cur = conn.execute(RAW_UPDATE, (account,))
                 if cur.rowcount != 1:

@@ -15,7 +15,9 @@ In its own database (``<name>_bench``, created, migrated and provisioned with th
 The server is gunicorn as ``./platform run`` starts it (sync workers, WEB_CONCURRENCY = 2 × CPUs by default);
 ``--server gthread`` measures threaded workers instead. The audit must be clean at the end. The bodies of the
 count and single-client figures are encoded before the clock starts: they time the service's answer, not the
-bench client's json.dumps (the admission p50 with the client's encoding in the clock is printed too).
+bench client's json.dumps (the admission p50 with the client's encoding in the clock is printed too). Each
+figure and its baseline are measured in turn (request, raw encode, request, …; throughput in two rounds of raw
+psycopg, HTTP and service layer), so a machine whose speed drifts during the run moves both alike.
 """
 
 from __future__ import annotations
@@ -99,19 +101,34 @@ def texts_of(body: dict[str, Any]) -> list[str]:
     return [*c["immutableRules"], c["question"]["text"], *(e["text"] for e in c["evidence"])]
 
 
-def raw_encode_seconds(texts: list[str], rounds: int) -> float:
-    from tokenizers import Tokenizer
+class RawEncoder:
+    """The baseline of the count and admission figures: a raw ``tokenizers`` batch encode of the texts."""
 
-    tokenizer = Tokenizer.from_file(
-        str(Path(os.environ.get("TOKENIZER_DIR", ROOT / "var/tokenizers")) / "deepseek_v3.json")
-    )
-    tokenizer.encode_batch(texts[:4])
-    times = []
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(
+            str(Path(os.environ.get("TOKENIZER_DIR", ROOT / "var/tokenizers")) / "deepseek_v3.json")
+        )
+        self.tokenizer.encode_batch(["warm up"])
+
+    def encode(self, texts: list[str]) -> None:
+        self.tokenizer.encode_batch(texts, add_special_tokens=False)
+
+
+def alternate(
+    measured: Callable[[], object], baseline: Callable[[], object], rounds: int
+) -> tuple[list[float], list[float]]:
+    """Time ``measured`` and ``baseline`` in turn, ``rounds`` times each: on a shared machine whose speed
+    drifts within a run, both see the same conditions (measured one after the other, the baseline moved by
+    ±30% here between runs)."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(rounds):
-        start = time.perf_counter()
-        tokenizer.encode_batch(texts, add_special_tokens=False)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for call, into in ((measured, times[0]), (baseline, times[1])):
+            start = time.perf_counter()
+            call()
+            into.append(time.perf_counter() - start)
+    return times
 
 
 def post(base: str, path: str, body: dict[str, Any] | bytes, key: str | None = None) -> tuple[int, bytes]:
@@ -229,7 +246,7 @@ def db_costs() -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--server", choices=["sync", "gthread"], default="sync")
     args = parser.parse_args()
     url = admission_bench.bench_database_url()
@@ -246,28 +263,32 @@ def main() -> None:
     rng = random.Random(7)
     big = count_body(rng, 200, 420)
     admission = count_body(rng, 50, 420)
-    raw_big = raw_encode_seconds(texts_of(big), args.rounds)
-    raw_adm = raw_encode_seconds(texts_of(admission), args.rounds)
+    raw = RawEncoder()
 
     server, base = serve(url, args.server)
     try:
         # Warm means every worker has seen the request once (each keeps its own decision memo and count cache
         # layer); which worker takes a request is up to the kernel, so five times as many as there are.
-        for _ in range(5 * web_workers()):
-            post(base, "/api/v1/admissions:count", big)
         big_body = json.dumps(big).encode()
-        warm = statistics.median(timed(lambda: post(base, "/api/v1/admissions:count", big_body), args.rounds))
-        cold = statistics.median(
-            timed_each(
-                # Seeded by the clock: texts no earlier run left in the Redis cache, so both layers miss.
-                [
-                    json.dumps(count_body(random.Random(time.time_ns() + n), 200, 420)).encode()
-                    for n in range(args.rounds)
-                ],
-                lambda body: post(base, "/api/v1/admissions:count", body),
-            )
+        for _ in range(5 * web_workers()):
+            post(base, "/api/v1/admissions:count", big_body)
+        warm_times, raw_big_times = alternate(
+            lambda: post(base, "/api/v1/admissions:count", big_body),
+            lambda: raw.encode(texts_of(big)),
+            args.rounds,
         )
-        tokens = json.loads(post(base, "/api/v1/admissions:count", big)[1])["tokens"]["input"]
+        # Seeded by the clock: texts no earlier run left in the Redis cache, so both layers miss.
+        cold_bodies = iter(
+            [json.dumps(count_body(random.Random(time.time_ns() + n), 200, 420)).encode() for n in range(99)]
+        )
+        cold_times, raw_cold_times = alternate(
+            lambda: post(base, "/api/v1/admissions:count", next(cold_bodies)),
+            lambda: raw.encode(texts_of(big)),
+            args.rounds,
+        )
+        warm, cold = statistics.median(warm_times), statistics.median(cold_times)
+        raw_big = statistics.median(raw_big_times + raw_cold_times)
+        tokens = json.loads(post(base, "/api/v1/admissions:count", big_body)[1])["tokens"]["input"]
         # Each admission's body is encoded before the clock starts: what is timed is the service's answer
         # to a request the gateway has ready, not the bench's own json.dumps of 185 KB (timed apart below).
         samples = max(50, args.rounds * 10)
@@ -288,18 +309,32 @@ def main() -> None:
 
         for _ in range(5 * web_workers()):
             admit_one()
-        single = sorted(timed(admit_one, samples))
+        admission_times, raw_adm_times = alternate(
+            admit_one, lambda: raw.encode(texts_of(admission)), samples
+        )
+        single, raw_adm = sorted(admission_times), statistics.median(raw_adm_times)
         with_encoding = statistics.median(timed(encode_and_admit_one, samples))
         p50, p99 = statistics.median(single), single[int(len(single) * 0.99) - 1]
         counted = post(base, "/api/v1/admissions:count", {**admission, "requestId": "adm-count"})[1]
         admission_tokens = json.loads(counted)["tokens"]["input"]
-        http = admission_bench.http_throughput(base, args.seconds)
+        # Throughput in two rounds of (raw psycopg, HTTP, service layer), each for half the time: the three
+        # see the same machine (the server idles while the others run).
+        slices: dict[str, list[dict[str, float]]] = {"raw": [], "http": [], "service": []}
+        for _ in range(2):
+            slices["raw"].append(raw_baseline(url, args.seconds / 2, account_ids, tenant_id, refs))
+            slices["http"].append(admission_bench.http_throughput(base, args.seconds / 2))
+            slices["service"].append(admission_bench.service_throughput(args.seconds / 2))
     finally:
         server.terminate()
         server.wait(timeout=30)
 
-    raw_tx = raw_baseline(url, args.seconds, account_ids, tenant_id, refs)
-    service = admission_bench.service_throughput(args.seconds)
+    raw_tx, http, service = (
+        {
+            "admissions_per_s": round(statistics.mean(r["admissions_per_s"] for r in runs), 1),
+            "p99_ms": max(r["p99_ms"] for r in runs),
+        }
+        for runs in slices.values()
+    )
     costs = db_costs()
     report = audit()
     ms = "{:.1f} ms".format
@@ -338,15 +373,6 @@ def main() -> None:
     print(f"admission p50 with the client's own JSON encoding in the clock: {with_encoding * 1000:.1f} ms")
     print(f"p99 of the throughput runs: HTTP {http['p99_ms']} ms, service {service['p99_ms']} ms")
     print(f"audit after the run: {'clean' if report.ok else report.violations + report.leaks}")
-
-
-def timed_each(items: list[Any], call: Callable[[Any], object]) -> list[float]:
-    times = []
-    for item in items:
-        start = time.perf_counter()
-        call(item)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 if __name__ == "__main__":
