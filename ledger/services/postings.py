@@ -185,11 +185,9 @@ def _insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None)
     ``expressions`` gives a column an SQL expression instead of the row's value."""
     model = type(row)
     given = expressions or {}
-    fields = [
-        f for f in model._meta.concrete_fields if not (f.primary_key and getattr(row, f.attname) is None)
-    ]
-    params = [_db_value(f, row) for f in fields if f.column not in given]
-    statement = _insert_statement(model, tuple(f.column for f in fields), tuple(sorted(given.items())))
+    columns = [c for c in _columns(model) if not (c.primary_key and getattr(row, c.attname) is None)]
+    params = [_db_value(c, row) for c in columns if c.name not in given]
+    statement = _insert_statement(model, tuple(c.name for c in columns), tuple(sorted(given.items())))
     return statement, params
 
 
@@ -213,6 +211,37 @@ _PLAIN_TYPES: dict[type, tuple[type, ...]] = {
 _PREPARATION = ("pre_save", "get_db_prep_save", "get_db_prep_value", "get_prep_value")
 
 
+@dataclass(frozen=True)
+class _Column:
+    """A concrete field of a model with what ``_db_value`` needs, worked out once per process."""
+
+    field: models.Field[Any, Any]
+    name: str
+    attname: str
+    primary_key: bool
+    plain: tuple[type, ...]
+    """The value types that pass through as they are."""
+    wrapper: type | None
+    """The int subclass Django wraps this column's integers in (so a prepared statement's types are fixed)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _columns(model: type[models.Model]) -> tuple[_Column, ...]:
+    return tuple(_column(f) for f in model._meta.concrete_fields)
+
+
+def _column(field: models.Field[Any, Any]) -> _Column:
+    target = field.target_field if isinstance(field, models.ForeignKey) else field
+    plain: tuple[type, ...] = ()
+    if not (getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False)):
+        plain = _passes_through(type(target))
+    wrapper = type(field.get_db_prep_save(1, connection)) if int in plain else None
+    assert field.column is not None
+    return _Column(
+        field, field.column, field.attname, field.primary_key, plain, None if wrapper is int else wrapper
+    )
+
+
 def _passes_through(cls: type) -> tuple[type, ...]:
     for base in cls.__mro__:
         if base in _PLAIN_TYPES:
@@ -221,28 +250,13 @@ def _passes_through(cls: type) -> tuple[type, ...]:
     return ()
 
 
-@functools.cache
-def _plain_types(field: models.Field[Any, Any]) -> tuple[tuple[type, ...], type | None]:
-    """The value types ``field`` passes through, and the int subclass Django wraps its integers in (the
-    PostgreSQL type of the column, so a prepared statement's parameter types never change)."""
-    target = field.target_field if isinstance(field, models.ForeignKey) else field
-    if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
-        return (), None
-    types = _passes_through(type(target))
-    if int not in types:
-        return types, None
-    wrapper = type(field.get_db_prep_save(1, connection))
-    return types, None if wrapper is int else wrapper
-
-
-def _db_value(field: models.Field[Any, Any], row: models.Model) -> Any:
+def _db_value(column: _Column, row: models.Model) -> Any:
     """``field.get_db_prep_save(field.pre_save(row, True))``, without the calls when they would change
     nothing (most of an admission's ~60 columns): a third of ``_insert_sql``'s time under load."""
-    value = getattr(row, field.attname)
-    types, wrapper = _plain_types(field)
-    if type(value) in types:
-        return value if wrapper is None or value is None else wrapper(value)
-    return field.get_db_prep_save(field.pre_save(row, True), connection)
+    value = getattr(row, column.attname)
+    if type(value) in column.plain:
+        return value if column.wrapper is None or value is None else column.wrapper(value)
+    return column.field.get_db_prep_save(column.field.pre_save(row, True), connection)
 
 
 @functools.lru_cache(maxsize=64)
