@@ -33,6 +33,7 @@ from budgeting.catalog.models import (
     Tokenizer,
 )
 from budgeting.catalog.tokens import note_use
+from budgeting.db import prepared_cursor
 from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
 from ladder.policy import Policy, TaskPolicy, parse_policy
@@ -291,7 +292,7 @@ def _read_version() -> tuple[int | None, datetime]:
 
 
 def _version_and_clock() -> tuple[int | None, datetime]:
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(
             "SELECT (SELECT version FROM budgeting_catalogversion WHERE id = 1), clock_timestamp()"
         )
