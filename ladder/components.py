@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, get_args
 
+import orjson
+
 BUCKETS: tuple[str, ...] = (
     "immutableRules",
     "authorizationScope",
@@ -100,7 +102,7 @@ class EvidenceItem:
     @property
     def content_digest(self) -> str:
         """Digest of the content parts only (not id, source, score or permissions)."""
-        return sha256_digest(canonical_json(parts_json(self.parts)))
+        return parts_digest(self.parts)
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,17 @@ class Limits:
 
 # ---------------------------------------------------------------------------------------------------- digests
 # The request form of each value: what its bucket's digest is taken of.
+
+
+def parts_digest(parts: Parts) -> str:
+    """``sha256_digest(canonical_json(parts_json(parts)))`` in one C pass: content parts hold only strings and
+    integers, which orjson writes byte for byte as ``canonical_json`` does (floats, which it spells
+    differently, never occur here). A cold 80k-token count takes 200 of these."""
+    try:
+        data = orjson.dumps(parts_json(parts), option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        return sha256_digest(canonical_json(parts_json(parts)))  # its own error (a lone surrogate)
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def parts_json(parts: Parts) -> list[dict[str, object]]:

@@ -7,8 +7,20 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from ladder.components import ComponentError, Limits, bucket_digests
+from ladder.components import (
+    ComponentError,
+    ImagePart,
+    Limits,
+    TextPart,
+    bucket_digests,
+    canonical_json,
+    parts_digest,
+    parts_json,
+    sha256_digest,
+)
 from ladder.parser import parse_components
 from ladder.wire import components_json
 
@@ -383,3 +395,25 @@ def test_limits(limits: Limits, mutate: Mutation, path: str | None, code: str) -
     if path is not None:
         assert caught.value.path == path
     assert caught.value.code == code
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.builds(TextPart, st.text()),
+            st.builds(ImagePart, st.integers(1, 32_768), st.integers(1, 32_768)),
+        ),
+        max_size=4,
+    )
+)
+def test_the_parts_digest_is_the_canonical_json_digest(parts: list[Any]) -> None:
+    """orjson writes content parts byte for byte as canonical_json does (any text, control characters,
+    U+2028, astral planes), so stored content digests keep their values; a lone surrogate is refused alike."""
+    parts_tuple = tuple(parts)
+    try:
+        expected = sha256_digest(canonical_json(parts_json(parts_tuple)))
+    except UnicodeEncodeError:
+        with pytest.raises(UnicodeEncodeError):
+            parts_digest(parts_tuple)
+        return
+    assert parts_digest(parts_tuple) == expected
