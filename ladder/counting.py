@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 
 from tokenizers import Tokenizer
 
-from ladder.components import canonical_json, sha256_digest
+from ladder.components import canonical_digest
 from ladder.templates import TEMPLATE_BUCKET, TEMPLATE_OBJECT, Image, Piece, Special, check_boundaries
 
 CountMethod = Literal["EXACT", "UPPER_BOUND"]
@@ -346,4 +346,4 @@ def rendered_digest(payload: object) -> str:
 
     Raises ValueError/TypeError for values JSON cannot represent.
     """
-    return sha256_digest(canonical_json(payload))
+    return canonical_digest(payload)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from ladder.components import (
     Limits,
     TextPart,
     bucket_digests,
+    canonical_digest,
     canonical_json,
     parts_digest,
     parts_json,
@@ -417,3 +419,45 @@ def test_the_parts_digest_is_the_canonical_json_digest(parts: list[Any]) -> None
             parts_digest(parts_tuple)
         return
     assert parts_digest(parts_tuple) == expected
+
+
+def _standard_library(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+JSON_LIKE = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.sampled_from([1e-7, 1e16, 1e15, 0.0001, -0.0, 123.456, 5e-324])
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.lists(children, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=6), children, max_size=4)
+        | st.dictionaries(st.integers(-3, 3), children, max_size=2)
+    ),
+    max_leaves=25,
+)
+
+
+@given(JSON_LIKE)
+def test_canonical_json_is_the_standard_librarys_output_whichever_writer_runs(value: Any) -> None:
+    """orjson writes it when it provably gives the same bytes; otherwise the standard library does. Either
+    way the result (or the error: NaN, infinity) is the standard library's, so stored digests keep their
+    values."""
+    try:
+        expected = _standard_library(value)
+    except ValueError as error:
+        with pytest.raises(type(error)):
+            canonical_json(value)
+        return
+    assert canonical_json(value) == expected
+    try:
+        digest = sha256_digest(expected)
+    except UnicodeEncodeError:
+        with pytest.raises(UnicodeEncodeError):
+            canonical_digest(value)
+        return
+    assert canonical_digest(value) == digest
