@@ -19,7 +19,6 @@ from budgeting.api.problems import Problem
 
 MAX_DEPTH = 64
 MAX_SAFE_INTEGER = 2**53 - 1
-SAFE_INTEGER_DIGITS = len(str(MAX_SAFE_INTEGER))
 # A \u escape of NUL or of a surrogate (paired or not); raw UTF-8 can hold neither.
 _SUSPECT_ESCAPE = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 
@@ -34,18 +33,15 @@ def _reject_constant(name: str) -> Any:
     raise BadJSON(f"{name} is not allowed in JSON", code="NON_FINITE_NUMBER")
 
 
-def _parse_int(text: str) -> int:
-    # Decided on the digits before int() runs: int() refuses more than 4,300 digits (a ValueError, not ours).
-    if len(text.lstrip("-")) > SAFE_INTEGER_DIGITS or abs(value := int(text)) > MAX_SAFE_INTEGER:
-        raise BadJSON(f"integer {text[:24]} is outside ±2^53", code="INTEGER_OUT_OF_RANGE")
-    return value
+def _check_number(value: int | float) -> None:
+    if type(value) is float:
+        if value in (_INF, -_INF):
+            raise BadJSON("number overflows a double", code="NON_FINITE_NUMBER")
+    elif not -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+        raise BadJSON(f"integer {str(value)[:24]} is outside ±2^53", code="INTEGER_OUT_OF_RANGE")
 
 
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise BadJSON("number overflows a double", code="NON_FINITE_NUMBER")
-    return value
+_INF = float("inf")
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -69,18 +65,24 @@ def _check_string(value: str) -> None:
 
 
 def _walk(value: Any, *, check_strings: bool) -> None:
-    """Depth of the parsed document (and, when the body may hold them, NUL or lone surrogates in its strings
-    and keys), without recursion: one step per container or string, not per character."""
-    followed = (dict, list, str) if check_strings else (dict, list)
+    """Depth and numbers of the parsed document (and, when the body may hold them, NUL or lone surrogates in
+    its strings and keys), without recursion: one step per container, number or string, not per character."""
+    followed = (dict, list, str, int, float) if check_strings else (dict, list, int, float)
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         node, depth = stack.pop()
-        if isinstance(node, str):
+        kind = type(node)
+        if kind is int or kind is float:
+            _check_number(node)
+            continue
+        if kind is str:
             _check_string(node)
             continue
-        if isinstance(node, dict | list) and depth > MAX_DEPTH:
+        if kind is bool:
+            continue
+        if depth > MAX_DEPTH and (kind is dict or kind is list):
             raise BadJSON(f"nesting deeper than {MAX_DEPTH}", code="NESTING_TOO_DEEP")
-        if isinstance(node, dict):
+        if kind is dict:
             if check_strings:
                 stack.extend((key, depth) for key in node)
             node = node.values()
@@ -91,9 +93,10 @@ def _walk(value: Any, *, check_strings: bool) -> None:
 def loads_strict(raw: bytes) -> Any:
     """Parse a JSON document strictly. Raises BadJSON on anything refused.
 
-    The C scanner of ``json`` does the parsing; Python runs once per object (duplicate keys) and per number,
-    and the depth walk once per container. Strings are checked one by one only when the raw body holds an
-    escape that could encode a NUL or a surrogate (a regular expression over the bytes decides).
+    The C scanner of ``json`` does the parsing, numbers included; Python runs once per object (duplicate
+    keys), and the walk once per container and number (range, overflow). Strings are checked one by one only
+    when the raw body holds an escape that could encode a NUL or a surrogate (a regular expression over the
+    bytes decides).
     """
     if len(raw) > settings.MAX_REQUEST_BYTES:
         raise BadJSON(f"body exceeds {settings.MAX_REQUEST_BYTES} bytes", status=413, code="BODY_TOO_LARGE")
@@ -104,15 +107,14 @@ def loads_strict(raw: bytes) -> Any:
     if not text.strip():
         raise BadJSON("empty body", code="MALFORMED_JSON")
     try:
-        value = json.loads(
-            text,
-            object_pairs_hook=_object,
-            parse_constant=_reject_constant,
-            parse_int=_parse_int,
-            parse_float=_parse_float,
-        )
+        value = json.loads(text, object_pairs_hook=_object, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise BadJSON(f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError:
+        # int() refuses more than 4,300 digits: far outside ±2^53.
+        raise BadJSON(
+            "an integer of thousands of digits is outside ±2^53", code="INTEGER_OUT_OF_RANGE"
+        ) from None
     except RecursionError:
         raise BadJSON(f"nesting deeper than {MAX_DEPTH}", code="NESTING_TOO_DEEP") from None
     _walk(value, check_strings=_SUSPECT_ESCAPE.search(raw) is not None)

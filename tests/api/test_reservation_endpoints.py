@@ -191,6 +191,24 @@ BAD_USAGE = [
         "INTEGER_OUT_OF_RANGE",
     ),
     (
+        "4,000-digit integer (int() would take it)",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": ' + "9" * 4000 + ', "final": false}',
+        400,
+        "INTEGER_OUT_OF_RANGE",
+    ),
+    (
+        "beyond 2^53, deep in a list",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": 1, "final": false, "x": [[1, -9007199254740993]]}',
+        400,
+        "INTEGER_OUT_OF_RANGE",
+    ),
+    (
+        "a float that overflows",
+        '{"fence": 1, "usageEventId": "e", "outputTokens": 1e400, "final": false}',
+        400,
+        "NON_FINITE_NUMBER",
+    ),
+    (
         "NUL in a key",
         '{"fence": 1, "usageEventId": "e", "outputTokens": 1, "final": false, "a\\u0000": 1}',
         400,
