@@ -10,21 +10,13 @@ import json
 import uuid
 
 from hypothesis import given
-from hypothesis import strategies as st
 from rest_framework.renderers import JSONRenderer
 
 from budgeting.api.renderers import FastJSONRenderer
 from ledger.jsonfields import FastJSONEncoder
+from tests.json_values import json_values
 
-JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**53), max_value=2**53)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4),
-    max_leaves=20,
-)
+JSON = json_values(max_integer=2**53)
 
 
 @given(JSON)

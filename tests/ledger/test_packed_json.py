@@ -10,21 +10,13 @@ import lz4.frame
 import pytest
 from django.db import connection
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from ledger.jsonfields import LZ4_FRAME_MAGIC, PACK_ABOVE_BYTES, PackColumn, pack, unpack
 from ledger.models import Reservation
+from tests.json_values import json_values
 from tests.ledger.helpers import admit, catalog, spec, tenant_account
 
-JSON = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**80), max_value=2**80)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda children: st.lists(children, max_size=6) | st.dictionaries(st.text(), children, max_size=6),
-    max_leaves=60,
-)
+JSON = json_values(max_integer=2**80, size=6, leaves=60)
 
 
 @given(JSON)
