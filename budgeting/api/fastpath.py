@@ -9,8 +9,8 @@ So the fast path never accepts what DRF refuses and never changes what DRF accep
 (``tests/api/test_fastpath.py`` checks both against DRF on generated bodies).
 
 Only the field types the input serializers use are compiled; a serializer with any other field, a custom
-``validate`` or ``validate_<field>``, or serializer validators has no fast path (``fast_validator``
-answers None for its class).
+``validate``, ``validate_<field>`` or ``to_internal_value``, or serializer validators has no fast path
+(``fast_validator`` answers None for its class).
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ from django.core import validators
 from rest_framework import fields, serializers
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
+from budgeting.api.serializers import StrictSerializer
+
 _DEFER = object()
+# A serializer's conversion is compiled only when it is DRF's or StrictSerializer's (which refuses unknown
+# fields: the compiled check defers on those).
+_KNOWN_TO_INTERNAL_VALUE = (serializers.Serializer.to_internal_value, StrictSerializer.to_internal_value)
 
 Check = Callable[[Any], Any]
 """A compiled field: the validated value, or ``_DEFER`` when the serializer must decide."""
@@ -48,7 +53,12 @@ def fast_validator(
 
 
 def _compile_serializer(serializer: serializers.Serializer) -> Check | None:
-    if type(serializer).validate is not serializers.Serializer.validate or serializer.validators:
+    cls = type(serializer)
+    if (
+        cls.validate is not serializers.Serializer.validate
+        or cls.to_internal_value not in _KNOWN_TO_INTERNAL_VALUE
+        or serializer.validators
+    ):
         return None
     compiled: list[tuple[str, bool, bool, Check]] = []
     for name, field in serializer.fields.items():

@@ -109,3 +109,14 @@ def test_a_body_drf_would_change_is_left_to_drf():
 def test_serializers_with_fields_it_does_not_compile_have_no_fast_path():
     assert fast_validator(api.FailIn) is None  # requestSent: a custom field
     assert fast_validator(api.OutcomeIn) is None  # a list of identifiers
+
+
+def test_a_serializer_with_its_own_conversion_has_no_fast_path():
+    class Converting(api.StrictSerializer):
+        fence = api.StrictInteger(min_value=1)
+
+        def to_internal_value(self, data):
+            return {**super().to_internal_value(data), "converted": True}
+
+    assert fast_validator(Converting) is None
+    assert fast_validator(api.FenceIn) is not None
