@@ -73,7 +73,7 @@ def plain(value: Any) -> Any:
 
 
 @pytest.mark.parametrize("serializer_class", list(VALID))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_the_fast_path_answers_exactly_what_drf_answers_or_defers(serializer_class, data):
     body = data.draw(near_valid(serializer_class))

@@ -20,7 +20,7 @@ JSON = json_values(max_integer=2**80, size=6, leaves=60)
 
 
 @given(JSON)
-@settings(max_examples=300)
+@settings(max_examples=100)
 def test_any_json_value_is_read_back_as_written(value):
     assert unpack(pack(value)) == value
 
