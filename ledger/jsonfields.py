@@ -9,9 +9,9 @@ request (for replay) and the reservation's stored answer (for idempotent retries
 request (~185 KB for a 20k-token request). As ``jsonb`` PostgreSQL parsed each into its binary form and then
 compressed it on the admission's one transaction: 6.2 ms for the two, against 1.5 ms for the same INSERT of
 bytes compressed here with lz4 (0.23 ms each), and a commit half as long (an INSERT-and-commit experiment with
-the 20k-token request of ``bench/path_bench.py``, one machine, one run). The column is ``bytea``: JSON text as UTF-8, lz4-framed above
-``PACK_ABOVE_BYTES`` (a frame starts with a magic number no JSON text can start with, so plain and framed
-values read alike). Reads give back what ``JSONField`` gives.
+the 20k-token request of ``bench/path_bench.py``, one machine, one run). The column is ``bytea``: JSON
+text as UTF-8, lz4-framed above ``PACK_ABOVE_BYTES`` (a frame starts with a magic number no JSON text can
+start with, so plain and framed values read alike). Reads give back what ``JSONField`` gives.
 """
 
 from __future__ import annotations
