@@ -9,6 +9,7 @@ they are written exactly as before (``…Z`` for UTC).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,10 @@ from rest_framework.utils.encoders import JSONEncoder
 
 _DRF = JSONEncoder()
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATETIME
+# U+2028 and U+2029 in UTF-8. Both start with the byte 0xE2, which a memchr finds (or not) in about a
+# microsecond in 185 KB; two bytes.replace scans of the same answer took 0.2 ms.
+_SEPARATORS = re.compile(b"\xe2\x80[\xa8\xa9]")
+_ESCAPED = {b"\xe2\x80\xa8": b"\\u2028", b"\xe2\x80\xa9": b"\\u2029"}
 
 
 class FastJSONRenderer(JSONRenderer):
@@ -35,4 +40,6 @@ class FastJSONRenderer(JSONRenderer):
             # What orjson refuses and json writes (an integer beyond 64 bits): DRF's renderer, as before.
             return super().render(data, accepted_media_type, renderer_context)
         # As DRF does: U+2028 and U+2029 escaped, for clients that read JSON as JavaScript.
-        return encoded.replace(b"\xe2\x80\xa8", b"\\u2028").replace(b"\xe2\x80\xa9", b"\\u2029")
+        if b"\xe2" not in encoded:
+            return encoded
+        return _SEPARATORS.sub(lambda match: _ESCAPED[match.group()], encoded)

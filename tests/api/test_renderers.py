@@ -10,6 +10,7 @@ import json
 import uuid
 
 from hypothesis import given
+from hypothesis import strategies as st
 from rest_framework.renderers import JSONRenderer
 
 from budgeting.api.renderers import FastJSONRenderer
@@ -22,6 +23,22 @@ JSON = json_values(max_integer=2**53)
 @given(JSON)
 def test_any_json_value_is_rendered_as_drf_renders_it(value):
     assert json.loads(FastJSONRenderer().render([value])) == json.loads(JSONRenderer().render([value]))
+
+
+# Text around the two separators the renderer escapes, and other characters whose UTF-8 starts with 0xE2
+# (U+2000-U+2FFF: dashes, quotes, arrows), which must pass through as they are.
+NEAR_SEPARATORS = st.lists(
+    st.sampled_from(["a", " ", "\u2028", "\u2029", "\u2014", "\u2019", "\u20ac", "\u2fff", "\u2027"])
+    | st.characters(codec="utf-8"),
+    max_size=40,
+).map("".join)
+
+
+@given(NEAR_SEPARATORS)
+def test_any_text_is_written_byte_for_byte_as_drf_writes_it(text):
+    assert FastJSONRenderer().render({"text": text, "list": [text, text]}) == JSONRenderer().render(
+        {"text": text, "list": [text, text]}
+    )
 
 
 def test_the_types_the_api_answers_with_are_written_byte_for_byte_as_before():
