@@ -25,7 +25,7 @@ from ledger.models import (
     State,
 )
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
-from ledger.services.postings import RecordInsert, hold_new_reservation, write_entries
+from ledger.services.postings import HoldRefused, RecordInsert, hold_new_reservation, write_entries
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -141,28 +141,27 @@ def reserve(
     )
 
     def attempt() -> Reservation:
-        with transaction.atomic(durable=True):
-            clock = db_now or locks.db_now()
-            assert isinstance(clock, datetime)
-            reservation = _new_reservation(
-                spec,
-                State.RESERVED,
-                manifest_id=spec.manifest_id,
-                concurrency_held=True,
-                lease_expires_at=clock + timedelta(seconds=settings.LEASE_SECONDS),
-            )
-            reservation.response_body = build_body(reservation)
-            held, record_id = hold_new_reservation(
+        clock = db_now or locks.db_now()
+        assert isinstance(clock, datetime)
+        reservation = _new_reservation(
+            spec,
+            State.RESERVED,
+            manifest_id=spec.manifest_id,
+            concurrency_held=True,
+            lease_expires_at=clock + timedelta(seconds=settings.LEASE_SECONDS),
+        )
+        reservation.response_body = build_body(reservation)
+        try:
+            record_id = hold_new_reservation(
                 reservation,
                 [a.pk for a in accounts],
                 None if record is None else record(State.RESERVED),
             )
-            if record_id is not None:
-                reservation.manifest_id = record_id
-            short = next((a for a in accounts if a.pk not in held), None)
-            if short is not None:
-                raise ShortageSignal(short)
-            return reservation
+        except HoldRefused as refused:
+            raise ShortageSignal(next(a for a in accounts if a.pk in refused.account_ids)) from None
+        if record_id is not None:
+            reservation.manifest_id = record_id
+        return reservation
 
     try:
         return Admitted(with_retries(attempt), replayed=False)

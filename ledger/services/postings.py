@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import connection, models
+from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Q, Sum
 from django.db.models.sql import UpdateQuery
 
@@ -29,6 +31,9 @@ from ledger.models import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The SQLSTATE of ledger_require_holds: a new reservation's hold refused by an account's limits.
+REFUSED_SQLSTATE = "TB429"
 
 
 @dataclass
@@ -462,22 +467,31 @@ _HOLD_SQL = (
         INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
             input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
         SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.period_start, '', '', now() FROM held, m)
-    SELECT COALESCE(array_agg(id), '{{}}'), {record_id} FROM held
+    SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held
     """
 )
 
 
+class HoldRefused(Exception):
+    """A new reservation's hold was refused by these accounts (their limits): nothing was written."""
+
+    def __init__(self, account_ids: set[int]) -> None:
+        super().__init__(sorted(account_ids))
+        self.account_ids = account_ids
+
+
 def hold_new_reservation(
     reservation: Reservation, account_ids: Sequence[int], record: RecordInsert | None = None
-) -> tuple[set[int], int | None]:
+) -> int | None:
     """Insert a new reservation and hold its input, output and one concurrency slot on every account, each
-    conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement. With
-    ``record``, the same statement inserts the caller's record first and the reservation references it.
+    conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement, a
+    transaction of its own (no BEGIN and COMMIT round trips). With ``record``, the same statement inserts the
+    caller's record first and the reservation references it; returns the record's id.
 
-    Returns the accounts that were held and the record's id; when an account is missing the caller must roll
-    the transaction back (the others were held). Accounts are locked in ascending id order (the canonical
-    order); the reservation row is new, so nothing else can be waiting on it. Raises IntegrityError for an
-    Idempotency-Key already used.
+    All or nothing: when an account refuses the hold, ``ledger_require_holds`` (migration ledger 0009) fails
+    the statement, nothing is written, and HoldRefused names the refusing accounts. Accounts are locked in
+    ascending id order (the canonical order); the reservation row is new, so nothing else can be waiting on
+    it. Raises IntegrityError for an Idempotency-Key already used.
     """
     if record is None:
         insert_sql, insert_params = _insert_sql(reservation)
@@ -489,16 +503,32 @@ def hold_new_reservation(
             record.params,
             "(SELECT id FROM record)",
         )
-    amounts: list[Any] = [
-        reservation.input_reserved,
-        reservation.output_reserved,
-        reservation.pk,
-        sorted(account_ids),
-    ]
-    with prepared_cursor() as cursor:
-        cursor.execute(
-            f"{prefix}new_reservation AS ({insert_sql} RETURNING id){_HOLD_SQL.format(record_id=record_id)}",
-            [*prefix_params, *insert_params, *amounts],
-        )
-        held, new_record_id = cursor.fetchone()
-    return set(held), new_record_id
+    wanted = sorted(account_ids)
+    amounts: list[Any] = [reservation.input_reserved, reservation.output_reserved, reservation.pk, wanted]
+    holds = _HOLD_SQL.format(record_id=record_id)
+    statement = f"{prefix}new_reservation AS ({insert_sql} RETURNING id){holds}"
+    try:
+        with _own_transaction(), prepared_cursor() as cursor:
+            cursor.execute(statement, [*prefix_params, *insert_params, *amounts, wanted])
+            _, new_record_id = cursor.fetchone()
+    except DatabaseError as error:
+        refused = _refused_accounts(error)
+        if refused is None:
+            raise
+        raise HoldRefused(refused) from None
+    return new_record_id
+
+
+def _own_transaction() -> AbstractContextManager[Any]:
+    """Nothing in autocommit mode: the statement commits itself. Inside a transaction,
+    ``atomic(durable=True)``: it refuses to join a caller's transaction, as every ledger use case does, and
+    within a test's transaction (where Django lifts that check) a savepoint undoes a refused statement."""
+    return transaction.atomic(durable=True) if connection.in_atomic_block else contextlib.nullcontext()
+
+
+def _refused_accounts(error: DatabaseError) -> set[int] | None:
+    """The accounts ``ledger_require_holds`` names, or None for any other error."""
+    cause: Any = error.__cause__
+    if getattr(cause, "sqlstate", None) != REFUSED_SQLSTATE:
+        return None
+    return {int(part) for part in cause.diag.message_detail.split(",")}

@@ -32,6 +32,8 @@ def test_a_warm_admission_is_one_transaction_one_commit_and_few_statements(demo_
     assert len(work.statements) <= MAX_ADMISSION_STATEMENTS, work.summary()
     assert work.commits == 1, work.summary()
     assert work.transactions <= 2, work.summary()
+    # The one commit is the reserving statement's own: no BEGIN and COMMIT round trips around it.
+    assert work.explicit_commits == 0 and work.autocommit_writes == 1, work.summary()
     reservation = Reservation.objects.get(pk=body["reservationId"])
     assert reservation.state == State.RESERVED
     assert reservation.manifest_id == body["manifestId"]
