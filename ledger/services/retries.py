@@ -16,9 +16,6 @@ from ledger.errors import (
 logger = logging.getLogger(__name__)
 
 
-logger = logging.getLogger(__name__)
-
-
 T = TypeVar("T")
 
 
