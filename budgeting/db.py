@@ -47,9 +47,45 @@ def prepared_cursor() -> Iterator[Any]:
     """
     connection.ensure_connection()
     connection.validate_thread_sharing()
-    raw = _PreparingCursor(connection.connection)
-    cursor = (CursorDebugWrapper if connection.queries_logged else CursorWrapper)(raw, connection)
-    try:
-        yield cursor
-    finally:
-        cursor.close()
+    cursor = (CursorDebugWrapper if connection.queries_logged else CursorWrapper)(_Kept(), connection)
+    yield cursor
+
+
+# The hot path runs a handful of statements through this cursor; more would mean texts that vary.
+_MAX_KEPT = 16
+
+
+class _Kept:
+    """Runs each statement on a cursor kept open for that statement on this connection: psycopg keeps a
+    cursor's adapters (which dumper for each parameter's type, which loader for each column) while it runs
+    the same statement again, where a new cursor looked them all up again (the reserving statement has ~65
+    parameters). Reading goes to the cursor of the last statement run."""
+
+    def __init__(self) -> None:
+        self._cursor: _PreparingCursor | None = None
+
+    def execute(self, query: str, params: Any = None) -> Any:
+        self._cursor = _kept_cursor(_numbered(query))
+        return self._cursor.execute(query, params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+    def close(self) -> None:
+        """The kept cursors stay open with their connection."""
+
+
+def _kept_cursor(query: str) -> _PreparingCursor:
+    raw = connection.connection
+    kept: dict[str, _PreparingCursor] | None = getattr(connection, "_kept_cursors", None)
+    if kept is None or getattr(connection, "_kept_cursors_of", None) is not raw:
+        kept = {}
+        connection._kept_cursors, connection._kept_cursors_of = kept, raw  # type: ignore[attr-defined]
+    cursor = kept.get(query)
+    if cursor is None or cursor.closed:
+        if len(kept) >= _MAX_KEPT:
+            for old in kept.values():
+                old.close()
+            kept.clear()
+        cursor = kept[query] = _PreparingCursor(raw)
+    return cursor

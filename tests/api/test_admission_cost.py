@@ -168,3 +168,37 @@ def test_the_reserving_statement_is_prepared_once_per_connection(demo_api):
         )
         rows = cursor.fetchall()
     assert rows == [(3,)]
+
+
+def psycopg_cursors_of_statements():
+    """Which psycopg cursor ran each statement, recorded at the driver."""
+    ran: dict[str, psycopg.Cursor] = {}
+    real_execute = psycopg.Cursor.execute
+
+    def execute(cursor: psycopg.Cursor, query, *args, **kwargs):
+        if str(query).startswith("SELECT set_config"):  # Django's set-up of a new connection
+            return real_execute(cursor, query, *args, **kwargs)
+        ran.setdefault(str(query)[:40], cursor)
+        assert ran[str(query)[:40]] is cursor, "a statement moved to another cursor"
+        return real_execute(cursor, query, *args, **kwargs)
+
+    return ran, execute
+
+
+def test_each_hot_statement_runs_on_one_cursor_kept_for_it_on_its_connection(demo_api, monkeypatch):
+    """psycopg keeps a cursor's adapters while it runs the same statement again: the version read and the
+    reserving statement each keep their own cursor for as long as the connection lives."""
+    admit(demo_api, 0)  # warms the process: the catalog's reads are over
+    ran, execute = psycopg_cursors_of_statements()
+    monkeypatch.setattr(psycopg.Cursor, "execute", execute)
+    for n in range(1, 4):
+        admit(demo_api, n)
+    assert len(ran) == 2, list(ran)  # the version read and the reserving statement
+    version_read, reserving = ran.values()
+    assert version_read is not reserving
+    assert not version_read.closed and not reserving.closed
+    connection.close()  # a new connection: new cursors, none of the old connection's
+    ran.clear()
+    admit(demo_api, 4)
+    assert len(ran) == 2 and not {id(c) for c in ran.values()} & {id(version_read), id(reserving)}
+    assert all(cursor.connection is connection.connection for cursor in ran.values())
