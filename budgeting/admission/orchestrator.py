@@ -115,8 +115,10 @@ def _remembered(caller: Caller, key: str, resolved: Resolved) -> Prepared | None
     prepared = decision_memo().get(key)
     if prepared is None or prepared.decision.count is None:
         return prepared
+    # A counter depends on its tokenizer only: one check when both models share it (the usual case).
+    specs = {spec.tokenizer_digest: spec for spec in (resolved.model_spec, prepared.decision.model)}
     try:
-        for spec in (resolved.model_spec, prepared.decision.model):
+        for spec in specs.values():
             caller.snapshot.counter_for(spec)
     except CountingUnavailable:
         return None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError
 
 from budgeting.catalog.errors import NotFound, Unavailable
 from budgeting.catalog.models import (
@@ -33,7 +33,7 @@ from budgeting.catalog.models import (
     Tokenizer,
 )
 from budgeting.catalog.tokens import note_use
-from budgeting.db import prepared_cursor
+from budgeting.db import prepared_cursor, this_connection
 from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
 from ladder.policy import Policy, TaskPolicy, parse_policy
@@ -274,7 +274,7 @@ def _read_version() -> tuple[int | None, datetime]:
     kept connection that fails this read (the server restarted) is closed and the read is tried once on a
     new connection, as Django's check would have done before it.
     """
-    db: Any = connection  # the health check's attributes are not in django-stubs
+    db: Any = this_connection()  # the health check's attributes are not in django-stubs
     kept = (
         db.connection is not None
         and db.health_check_enabled
@@ -287,7 +287,7 @@ def _read_version() -> tuple[int | None, datetime]:
     except (OperationalError, InterfaceError):
         if not kept:
             raise
-    connection.close()
+    db.close()
     return _version_and_clock()
 
 

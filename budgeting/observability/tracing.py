@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -38,10 +38,20 @@ def tracer() -> trace.Tracer:
 
 def span(name: str, attributes: Mapping[str, AttributeValue] | None = None) -> AbstractContextManager[Span]:
     """A span of ours, current while it is open. An exception passing through is neither recorded on it nor
-    made its status: a refusal's message may quote the request, and a refusal is an answer, not a fault."""
+    made its status: a refusal's message may quote the request, and a refusal is an answer, not a fault.
+
+    With no tracer provider installed (tracing off, the default), OpenTelemetry would build and attach a
+    non-recording span for nothing (about 4% of a small admission's CPU for its four spans): the invalid
+    span is answered instead, and what is set on it is dropped alike."""
+    if isinstance(trace.get_tracer_provider(), _NOT_RECORDING):
+        return _NO_SPAN
     return tracer().start_as_current_span(
         name, attributes=attributes, record_exception=False, set_status_on_exception=False
     )
+
+
+_NOT_RECORDING = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+_NO_SPAN = nullcontext(trace.INVALID_SPAN)
 
 
 class TracedCounter:

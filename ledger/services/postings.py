@@ -13,10 +13,11 @@ from datetime import datetime
 from typing import Any
 
 from django.db import DatabaseError, connection, models, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Q, Sum
 from django.db.models.sql import UpdateQuery
 
-from budgeting.db import prepared_cursor
+from budgeting.db import prepared_cursor, this_connection
 from ledger import locks
 from ledger.errors import (
     UsageEventConflict,
@@ -188,8 +189,9 @@ def _insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None)
     ``expressions`` gives a column an SQL expression instead of the row's value."""
     model = type(row)
     given = expressions or {}
+    db = this_connection()
     columns = [c for c in _columns(model) if not (c.primary_key and getattr(row, c.attname) is None)]
-    params = [_db_value(c, row) for c in columns if c.name not in given]
+    params = [_db_value(c, row, db) for c in columns if c.name not in given]
     statement = _insert_statement(model, tuple(c.name for c in columns), tuple(sorted(given.items())))
     return statement, params
 
@@ -253,13 +255,13 @@ def _passes_through(cls: type) -> tuple[type, ...]:
     return ()
 
 
-def _db_value(column: _Column, row: models.Model) -> Any:
+def _db_value(column: _Column, row: models.Model, db: BaseDatabaseWrapper) -> Any:
     """``field.get_db_prep_save(field.pre_save(row, True))``, without the calls when they would change
     nothing (most of an admission's ~60 columns): a third of ``_insert_sql``'s time under load."""
     value = getattr(row, column.attname)
     if type(value) in column.plain:
         return value if column.wrapper is None or value is None else column.wrapper(value)
-    return column.field.get_db_prep_save(column.field.pre_save(row, True), connection)
+    return column.field.get_db_prep_save(column.field.pre_save(row, True), db)
 
 
 @functools.lru_cache(maxsize=64)
@@ -523,7 +525,8 @@ def _own_transaction() -> AbstractContextManager[Any]:
     """Nothing in autocommit mode: the statement commits itself. Inside a transaction,
     ``atomic(durable=True)``: it refuses to join a caller's transaction, as every ledger use case does, and
     within a test's transaction (where Django lifts that check) a savepoint undoes a refused statement."""
-    return transaction.atomic(durable=True) if connection.in_atomic_block else contextlib.nullcontext()
+    in_transaction = this_connection().in_atomic_block
+    return transaction.atomic(durable=True) if in_transaction else contextlib.nullcontext()
 
 
 def _refused_accounts(error: DatabaseError) -> set[int] | None:

@@ -33,8 +33,8 @@ def test_a_value_passed_through_is_what_django_would_send(model):
             for value in SAMPLES[kind]:
                 row.__dict__[column.attname] = value  # past django-fsm's protected descriptor
                 expected = column.field.get_db_prep_save(value, connection)
-                assert _db_value(column, row) == expected, column.field
-                assert type(_db_value(column, row)) is type(expected), column.field
+                assert _db_value(column, row, connection) == expected, column.field
+                assert type(_db_value(column, row, connection)) is type(expected), column.field
                 passed += 1
     assert passed > 0
 

@@ -155,3 +155,17 @@ def test_the_litellm_hook_forwards_the_callers_traceparent():
     api = ScriptedApi(ApiResponse(201, {}, GRANT))
     Calls(api).admit(untraced)
     assert api.sent[0].headers == {"Idempotency-Key": untraced.idempotency_key}
+
+
+def test_with_tracing_off_our_spans_are_not_recorded_and_with_it_on_they_are(spans):
+    _set_global_provider(None)  # tracing off, as by default
+    with tracing.span("admission", {"tokenbudget.tenant": "t-1"}) as off:
+        off.set_attributes({"tokenbudget.rung": "FULL"})
+        assert not off.is_recording()
+    assert trace.get_current_span() is trace.INVALID_SPAN
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    _set_global_provider(provider)
+    with tracing.span("admission", {"tokenbudget.tenant": "t-1"}) as on:
+        assert on.is_recording() and trace.get_current_span() is on
+    assert [s.name for s in spans.get_finished_spans()] == ["admission"]
