@@ -24,6 +24,7 @@ during the run moves both alike.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -35,6 +36,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import admission_bench
 from admission_bench import CLIENTS, TOKEN, free_port, prepare, raw_baseline
@@ -146,9 +148,18 @@ def post(base: str, path: str, body: dict[str, Any] | bytes, key: str | None = N
     if key:
         headers["Idempotency-Key"] = key
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(base + path, data=data, method="POST", headers=headers)
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return response.status, response.read()
+    # As the gateway client does (tokenbudget_gateway.transport): http.client, one connection a request.
+    server = urlparse(base)
+    connection = http.client.HTTPConnection(server.hostname or "127.0.0.1", server.port, timeout=120)
+    try:
+        connection.request("POST", path, body=data, headers=headers)
+        response = connection.getresponse()
+        answer = response.read()
+    finally:
+        connection.close()
+    if response.status >= 400:
+        raise RuntimeError(f"POST {path}: {response.status} {answer[:300]!r}")
+    return response.status, answer
 
 
 def timed(call: Callable[[], object], rounds: int) -> list[float]:
