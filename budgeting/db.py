@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -34,8 +32,7 @@ def _numbered(sql: str) -> str:
     return "".join(f"{part}${n}" for n, part in enumerate(parts[:-1], start=1)) + parts[-1]
 
 
-@contextmanager
-def prepared_cursor() -> Iterator[Any]:
+def prepared_cursor() -> CursorWrapper:
     """A cursor for the hot path's statements, whose text is the same on every call.
 
     Django binds parameters on the client: a large value (an admission's request and answer) is escaped
@@ -49,8 +46,7 @@ def prepared_cursor() -> Iterator[Any]:
     db = this_connection()
     db.ensure_connection()
     db.validate_thread_sharing()
-    cursor = (CursorDebugWrapper if db.queries_logged else CursorWrapper)(_Kept(db), db)
-    yield cursor
+    return (CursorDebugWrapper if db.queries_logged else CursorWrapper)(_Kept(db), db)
 
 
 def this_connection() -> BaseDatabaseWrapper:

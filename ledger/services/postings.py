@@ -7,7 +7,6 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -521,7 +520,7 @@ def hold_new_reservation(
     return new_record_id
 
 
-def _own_transaction() -> AbstractContextManager[Any]:
+def _own_transaction() -> contextlib.AbstractContextManager[Any]:
     """Nothing in autocommit mode: the statement commits itself. Inside a transaction,
     ``atomic(durable=True)``: it refuses to join a caller's transaction, as every ledger use case does, and
     within a test's transaction (where Django lifts that check) a savepoint undoes a refused statement."""
