@@ -92,13 +92,20 @@ class _Refused(HTTPException):
 
 
 class _OneLinePerRefusal(logging.Filter):
-    """Drops the proxy's own log record of a call this hook refused: the hook logged it in one line."""
+    """Drops the proxy's own log record of a call this hook refused (the hook logged it in one line). The
+    proxy may log a copy of the exception, so it is known by its detail: our problem under ``problem``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        return not any(isinstance(arg, _Refused) for arg in args) and not (
-            record.exc_info and isinstance(record.exc_info[1], _Refused)
-        )
+        raised = record.exc_info[1] if record.exc_info else None
+        return not any(_is_refusal(value) for value in (*args, raised))
+
+
+def _is_refusal(value: object) -> bool:
+    detail = getattr(value, "detail", None)
+    return (
+        isinstance(value, HTTPException) and isinstance(detail, dict) and {"code", "problem"} <= detail.keys()
+    )
 
 
 class TokenBudgetHook(CustomLogger):

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +65,16 @@ def ensure_venv() -> tuple[Path, float | None]:
 @dataclass
 class LiteLLMProxy:
     """``litellm --config`` on loopback with our hook loaded; ``master_key`` is random (the proxy refuses
-    the documented sample key) and it runs without a database, offline (the local model cost map)."""
+    the documented sample key) and it runs without a database, offline (the local model cost map).
+    ``gateway`` is the folder the hook is imported from; ``extra_env`` is added to its environment."""
 
     venv: Path
     workdir: Path
     port: int
     master_key: str = ""
     process: subprocess.Popen[bytes] | None = None
+    gateway: Path = ROOT / "gateway"
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -93,11 +96,12 @@ class LiteLLMProxy:
             "PATH": f"{self.venv / 'bin'}:/usr/bin:/bin",
             "HOME": os.environ.get("HOME", "/tmp"),
             "LANG": "C.UTF-8",
-            "PYTHONPATH": str(ROOT / "gateway"),
+            "PYTHONPATH": str(self.gateway),
             "LITELLM_MASTER_KEY": self.master_key,
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "TOKEN_BUDGET_LITELLM_CONFIG": str(settings_path),
             "TOKEN_BUDGET_TOKEN": api_token,
+            **self.extra_env,
         }
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(
