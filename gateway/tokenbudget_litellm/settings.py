@@ -88,7 +88,7 @@ class HookSettings:
     fail_open: bool = False
     timeout_s: float = 5.0
     queue_wait_s: float = 0.0
-    dispatch_at_admission: bool = False
+    dispatch_at_admission: bool = True
     max_call_s: float = 900.0
     metadata_key: str = "tokenbudget"
     unlisted: Literal["reject", "pass"] = "reject"
@@ -127,7 +127,7 @@ class HookSettings:
             fail_open=_boolean(doc.get("failOpen", False), "failOpen"),
             timeout_s=_positive_seconds(doc.get("timeoutSeconds", 5.0), "timeoutSeconds"),
             queue_wait_s=_seconds(doc.get("queueWaitSeconds", 0.0), "queueWaitSeconds"),
-            dispatch_at_admission=_boolean(doc.get("dispatchAtAdmission", False), "dispatchAtAdmission"),
+            dispatch_at_admission=_boolean(doc.get("dispatchAtAdmission", True), "dispatchAtAdmission"),
             max_call_s=_positive_seconds(doc.get("maxCallSeconds", 900.0), "maxCallSeconds"),
             metadata_key=_string(doc.get("metadataKey", "tokenbudget"), "metadataKey"),
             unlisted=unlisted,

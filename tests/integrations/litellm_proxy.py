@@ -84,9 +84,12 @@ class LiteLLMProxy:
     def log(self) -> Path:
         return self.workdir / "proxy.log"
 
-    def start(self, config: dict[str, Any], hook_settings: dict[str, Any], api_token: str) -> None:
-        """Write the proxy's config and the hook's settings, start it and wait until it answers."""
-        self.master_key = f"sk-{secrets.token_hex(16)}"
+    def start(
+        self, config: dict[str, Any], hook_settings: dict[str, Any], api_token: str, master_key: str = ""
+    ) -> None:
+        """Write the proxy's config and the hook's settings, start it and wait until it answers (with
+        ``master_key``, or a random one)."""
+        self.master_key = master_key or f"sk-{secrets.token_hex(16)}"
         config_path = self.workdir / "litellm.json"
         settings_path = self.workdir / "tokenbudget-hook.json"
         config_path.write_text(json.dumps(config))
