@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 # Our API's identifier pattern: a provider id that does not fit is not used in usage event ids.
 _IDENTIFIER: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,180}")
 _MAX_REASON: Final = 300
+_PROVIDER_IDS: Final = uuid.UUID("5b0f7c1e-2d6a-4e58-9a43-0c1e7f5d2b90")
 
 
 class Refusal(Exception):
@@ -144,7 +145,7 @@ class Calls:
     """Our API's side of one proxied call; every method is a coroutine of the proxy's event loop.
 
     ``dispatch_at_admission``: the admission also records the dispatch under a provider request id the hook
-    makes up (``tbr-`` and a random UUID), so no call to us stands between the admission and the provider
+    makes up (``provider_request_id_of``), so no call to us stands between the admission and the provider
     call; without it (or for a queued admission, which the queue admits undispatched) ``dispatch`` does.
     """
 
@@ -171,7 +172,7 @@ class Calls:
 
         Raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation`` otherwise.
         """
-        provider_request_id = f"tbr-{uuid.uuid4()}" if self._dispatch_at_admission else None
+        provider_request_id = provider_request_id_of(request) if self._dispatch_at_admission else None
         deadline = self._monotonic() + self._queue_wait_s
         while True:
             response = await self._post_admission(request, provider_request_id)
@@ -305,6 +306,12 @@ class Calls:
     async def _post(self, ticket: Ticket, action: str, body: Mapping[str, Any]) -> ApiResponse:
         path = f"/api/v1/reservations/{quote(ticket.reservation_id, safe='')}/{action}"
         return await self._api.request("POST", path, {"fence": ticket.fence, **body})
+
+
+def provider_request_id_of(request: AdmissionRequest) -> str:
+    """The provider request id an admission dispatches under: derived from its ``Idempotency-Key`` (a name
+    UUID), so a repeated admission names the same id and the first answer stands."""
+    return f"tbr-{uuid.uuid5(_PROVIDER_IDS, request.idempotency_key)}"
 
 
 def request_sent_of(error: BaseException, chunks_seen: int = 0) -> RequestSent:

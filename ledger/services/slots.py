@@ -10,6 +10,7 @@ person as before.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from datetime import datetime, timedelta
 
@@ -50,10 +51,7 @@ def free_ended_calls(*, now: datetime) -> int:
     Each is re-checked under its row lock against the database clock (a renewal or a settlement in between
     wins), in its own transaction.
     """
-    freed = 0
-    for reservation_id in _ended(now):
-        freed += with_retries(lambda rid=reservation_id: _free_one(rid))
-    return freed
+    return sum(with_retries(functools.partial(_free_one, reservation_id)) for reservation_id in _ended(now))
 
 
 def _free_one(reservation_id: uuid.UUID) -> int:

@@ -108,17 +108,20 @@ def test_a_grant_becomes_a_ticket_with_the_payload() -> None:
     assert Ticket.from_metadata(admitted.ticket.to_metadata()) == admitted.ticket
 
 
-def test_the_admission_records_the_dispatch_under_an_id_the_hook_chose() -> None:
+def test_the_admission_records_the_dispatch_under_an_id_of_its_idempotency_key() -> None:
     answer = {**GRANT, "state": "DISPATCHED"}
-    api = ScriptedApi(ApiResponse(201, {}, answer), ApiResponse(201, {}, answer))
+    api = ScriptedApi(*[ApiResponse(201, {}, answer)] * 3)
+    other = AdmissionRequest(body={"requestId": "r-2"}, idempotency_key="r-2")
 
     first = run(calls(api).admit(REQUEST)).ticket
-    second = run(calls(api).admit(REQUEST)).ticket
+    again = run(calls(api).admit(REQUEST)).ticket
+    another = run(calls(api).admit(other)).ticket
 
-    assert first is not None and second is not None and first.dispatched
+    assert first is not None and again is not None and another is not None and first.dispatched
     sent = api.sent[0].body["dispatch"]["providerRequestId"]
     assert first.provider_request_id == sent and sent.startswith("tbr-")
-    assert second.provider_request_id != sent, "each admission makes up a new id"
+    assert again.provider_request_id == sent, "a repeated admission must name the same id"
+    assert another.provider_request_id != sent
 
 
 def test_a_queued_admission_is_not_dispatched_by_it() -> None:

@@ -4,6 +4,7 @@ proxy's 4000); the environment its shell lines give the proxy is checked and use
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -31,6 +32,10 @@ def blocks(language: str) -> list[str]:
     section = readme[readme.index(SECTION) :]
     section = section[: section.index("\n## ", len(SECTION))]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+def is_settled(reservation_id: str) -> bool:
+    return Reservation.objects.get(pk=reservation_id).state == ReservationState.SETTLED
 
 
 def test_the_readme_example_serves_a_plain_and_a_contract_review_call_as_pasted(
@@ -79,7 +84,7 @@ def test_the_readme_example_serves_a_plain_and_a_contract_review_call_as_pasted(
     assert rung == "FULL"
     for reservation_id in (support_id, review_id):
         wait_for(
-            lambda rid=reservation_id: Reservation.objects.get(pk=rid).state == ReservationState.SETTLED,
+            functools.partial(is_settled, reservation_id),
             timeout=20,
             what=f"reservation {reservation_id} to settle",
         )
