@@ -121,7 +121,8 @@ class TokenBudgetHook(CustomLogger):
         )
         self._states: dict[str, _CallState] = {}
         self._background: set[asyncio.Task[None]] = set()
-        logging.getLogger(_PROXY_LOGGER).addFilter(_OneLinePerRefusal())
+        # First: LiteLLM's own filter on that logger formats the record's arguments away.
+        logging.getLogger(_PROXY_LOGGER).filters.insert(0, _OneLinePerRefusal())
         if not logger.handlers and not logging.getLogger().handlers:
             # The proxy configures only its own loggers: without this our INFO lines (the reservation of
             # each call) would not reach its log.
