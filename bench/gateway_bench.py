@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -97,6 +98,7 @@ def serve_api(url: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
         [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "-b", f"127.0.0.1:{port}",
          "-w", "2", *model, "--log-level", "warning"],
         env={**os.environ, "DATABASE_URL": url}, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -147,6 +149,8 @@ def main() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
     django.setup()
+    # The project's logging prints every HTTP request the bench's client makes; only the figures matter here.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
     from ledger import selectors
     from ledger.models import Reservation, State
     from simulation.provider import Simulator
