@@ -337,7 +337,7 @@ class TokenBudgetHook(CustomLogger):
             )
             return
         provider_id = getattr(answer, "id", None)
-        if provider_id != ticket.provider_request_id:
+        if answer is not None and provider_id != ticket.provider_request_id:
             logger.warning("provider answered %s as %r", ticket.provider_request_id, provider_id)
         await self.calls.complete(
             ticket,
