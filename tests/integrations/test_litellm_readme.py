@@ -30,7 +30,8 @@ def blocks(language: str) -> list[str]:
     """The fenced ``language`` blocks of the README's LiteLLM section, in order."""
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index(SECTION) :]
-    section = section[: section.index("\n## ", len(SECTION))]
+    end = section.find("\n## ", len(SECTION))
+    section = section if end < 0 else section[:end]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
