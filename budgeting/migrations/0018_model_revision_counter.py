@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0016_packed_manifest_request"),
+        ("budgeting", "0017_tokenizer_family_choices"),
     ]
 
     operations = [
