@@ -1,5 +1,8 @@
-"""``python -m simulation [--port 8100]``: serve the provider simulator on loopback until interrupted, so
-that a LiteLLM proxy (the README's example) or any OpenAI-compatible client has a provider to call."""
+"""``python -m simulation [--port N]``: serve the provider simulator on loopback until interrupted.
+
+``./platform run`` supervises it as the demo's provider: the demo pool ``eu-frontier`` counts through its
+counting APIs (Anthropic, Gemini, OpenAI shapes). ``manage.py simulate`` starts a simulator of its own.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +14,24 @@ from simulation.provider import Simulator
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m simulation", description=__doc__)
-    parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--seed", type=int, default=7)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, default=8090)
     args = parser.parse_args()
-    simulator = Simulator(seed=args.seed)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    print(
-        f"provider simulator at {simulator.start(port=args.port)}/v1 (any API key); Ctrl-C stops it",
-        flush=True,
-    )
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    simulator = Simulator()
+    try:
+        simulator.start(port=args.port)
+    except OSError as exc:
+        # Another demo platform's simulator (which answers alike) may hold the port: waiting instead of
+        # exiting keeps this platform's supervisor from seeing a crash loop.
+        print(f"provider simulator: port {args.port} is unavailable ({exc}); not serving", flush=True)
+        stop.wait()
+        return
+    print(f"provider simulator at {simulator.base_url}", flush=True)
     try:
         stop.wait()
-    except KeyboardInterrupt:
-        pass
     finally:
         simulator.stop()
 
