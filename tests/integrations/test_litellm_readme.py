@@ -1,6 +1,6 @@
 """The README's LiteLLM example, run as pasted: its proxy config, hook settings and client code are read from
-README.md, and only the loopback ports are moved to free ones (the demo's 8000, the simulator's 8100, the
-proxy's 4000); the environment its shell lines give the proxy is checked and used as written."""
+README.md, and only the loopback ports are moved to free ones (the demo's API on 8000 and simulator on 8090,
+the proxy's 4000); the environment its shell lines give the proxy is checked and used as written."""
 
 from __future__ import annotations
 
@@ -52,14 +52,14 @@ def test_the_readme_example_serves_a_plain_and_a_contract_review_call_as_pasted(
     def moved(text: str) -> str:
         return (
             text.replace("127.0.0.1:8000", f"127.0.0.1:{ports.api}")
-            .replace("127.0.0.1:8100", f"127.0.0.1:{ports.sim}")
+            .replace("127.0.0.1:8090", f"127.0.0.1:{ports.sim}")
             .replace("127.0.0.1:4000", f"127.0.0.1:{proxy_port}")
         )
 
     env = dict(re.findall(r"\b([A-Z_]+)=(\S+)", shell))
     assert env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True" and env["TOKEN_BUDGET_TOKEN"] == TOKEN
     assert "gateway/litellm-requirements.txt" in shell and "'./gateway[litellm]'" in shell
-    assert "--port 4000" in shell and "python -m simulation --port 8100" in shell
+    assert "--port 4000" in shell
     proxy = LiteLLMProxy(litellm_venv, tmp_path, proxy_port)
     try:
         proxy.start(
