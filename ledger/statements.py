@@ -81,7 +81,7 @@ def _hold_sql(reservation_sql: str, record_sql: str | None) -> str:
     # hot rows stay locked for the holds, the entries and the commit only, and a replayed Idempotency-Key
     # fails before taking any lock.
     return f"""WITH {record}reservation AS ({reservation_sql} RETURNING id)
-    , m AS (SELECT {amounts}, %s::uuid AS rid)
+    , m AS (SELECT {amounts}, %s::uuid AS rid, %s::text AS reason)
     , ordered AS (
         SELECT id FROM ledger_capacityaccount
          WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM reservation)
@@ -94,7 +94,7 @@ def _hold_sql(reservation_sql: str, record_sql: str | None) -> str:
     , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
     , entries AS (
         INSERT INTO ledger_ledgerentry ({_ENTRY_COLUMNS})
-        SELECT held.id, m.rid, 'HOLD', {_columns("m", BALANCES)}, held.period_start, '', '',
+        SELECT held.id, m.rid, 'HOLD', {_columns("m", BALANCES)}, held.period_start, m.reason, '',
                now() FROM held, m)
     SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held"""
 
@@ -105,11 +105,14 @@ def hold(
     account_ids: Sequence[int],
     amounts: Mapping[str, int],
     record: tuple[str, list[Any]] | None = None,
+    *,
+    reason: str = "",
 ) -> int | None:
     """Write the reservation's row (``reservation``: its INSERT, or its UPDATE when it was queued) and hold
     ``amounts`` (balance column -> amount) on every account, each conditional on ``within_limits``, with its
-    holds and one HOLD entry per account: ONE statement. ``record`` (an INSERT … RETURNING id that the
-    reservation's statement reads as ``(SELECT id FROM record)``) is run first; returns its id.
+    holds and one HOLD entry per account (saying ``reason``): ONE statement. ``record`` (an INSERT …
+    RETURNING id that the reservation's statement reads as ``(SELECT id FROM record)``) is run first;
+    returns its id.
 
     All or nothing: when an account refuses, ``ledger_require_holds`` fails the statement (nothing is
     written; the caller's transaction, if any, is aborted) and HoldRefused names the refusing accounts.
@@ -121,6 +124,7 @@ def hold(
         *reservation[1],
         *(amounts.get(column, 0) for column in BALANCES),
         reservation_id,
+        reason,
         wanted,
         wanted,
     ]

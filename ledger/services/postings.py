@@ -24,6 +24,7 @@ from ledger.models import (
     Hold,
     LedgerEntry,
     Reservation,
+    State,
     UsageEvent,
 )
 
@@ -244,9 +245,12 @@ def post_to_account(
 
 def hold_amounts(reservation: Reservation) -> dict[str, int]:
     """What a reservation's hold adds to each account (balance column -> amount): its input, its output and
-    one concurrency slot."""
+    one concurrency slot. A reservation already DISPATCHED (its admission recorded the dispatch) posts its
+    input as consumed instead of holding it."""
+    dispatched = reservation.state == State.DISPATCHED
     return {
-        "input_reserved": reservation.input_reserved,
+        "input_reserved": 0 if dispatched else reservation.input_reserved,
+        "input_consumed": reservation.input_consumed if dispatched else 0,
         "output_reserved": reservation.output_reserved,
         "in_flight": 1,
     }
@@ -260,7 +264,8 @@ def hold_new_reservation(
     record first and the reservation references it; returns the record's id.
 
     Raises HoldRefused (nothing written) when an account's limits refuse, IntegrityError for an
-    Idempotency-Key already used. The reservation row is new, so nothing else can be waiting on it.
+    Idempotency-Key (or a providerRequestId of the tenant) already used. The reservation row is new, so
+    nothing else can be waiting on it.
     """
     if record is None:
         row = insert_sql(reservation)
@@ -273,6 +278,7 @@ def hold_new_reservation(
             account_ids,
             hold_amounts(reservation),
             None if record is None else (record.sql, record.params),
+            reason="dispatched at admission" if reservation.state == State.DISPATCHED else "",
         )
 
 
