@@ -386,7 +386,22 @@ class ReservationOut(serializers.Serializer):
     updatedAt = serializers.DateTimeField()
 
 
-class ReservationAppliedOut(ReservationOut):
+class LifecycleOut(serializers.Serializer):
+    """A lifecycle call's answer: the reservation's state, amounts and lease as the call left them. The
+    whole detail (usage events, ledger entries, holds, manifest) is ``GET /reservations/{id}``'s."""
+
+    reservationId = serializers.UUIDField()
+    state = serializers.CharField()
+    outcome = serializers.CharField(allow_null=True)
+    input = InputOut()
+    output = OutputOut()
+    concurrencyHeld = serializers.BooleanField()
+    providerRequestId = serializers.CharField(allow_null=True)
+    lease = LeaseOut()
+    failureReason = serializers.CharField(allow_null=True)
+
+
+class LifecycleAppliedOut(LifecycleOut):
     applied = serializers.BooleanField(help_text="false when this event id was already recorded (a repeat)")
 
 

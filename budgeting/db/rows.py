@@ -24,9 +24,11 @@ from budgeting.db.cursor import this_connection
 
 
 def update_sql(row: models.Model) -> tuple[str, list[Any]]:
-    """The row's UPDATE of every concrete field as ``save()`` would run it (auto_now fields included)."""
+    """The row's UPDATE as ``save()`` would run it (auto_now fields included): the fields it loaded (a
+    deferred one it never read is left as it is)."""
     model = type(row)
-    fields = [f for f in model._meta.concrete_fields if not f.primary_key]
+    deferred = row.get_deferred_fields()
+    fields = [f for f in model._meta.concrete_fields if not f.primary_key and f.attname not in deferred]
     query = UpdateQuery(model)
     query.add_update_fields([(f, None, f.pre_save(row, False)) for f in fields])
     query.add_q(Q(pk=row.pk))
