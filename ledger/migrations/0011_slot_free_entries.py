@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("ledger", "0009_require_holds"),
+        ("ledger", "0010_rejected_queue_released"),
     ]
 
     operations = [
