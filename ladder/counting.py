@@ -21,9 +21,22 @@ from typing import Literal, Protocol
 from tokenizers import Tokenizer
 
 from ladder.components import canonical_digest
-from ladder.templates import TEMPLATE_BUCKET, TEMPLATE_OBJECT, Image, Piece, Special, check_boundaries
+from ladder.templates import (
+    TEMPLATE_BUCKET,
+    TEMPLATE_OBJECT,
+    Bound,
+    Cut,
+    Image,
+    Piece,
+    Special,
+    Text,
+    check_boundaries,
+)
 
-CountMethod = Literal["EXACT", "UPPER_BOUND"]
+CountMethod = Literal["EXACT", "UPPER_BOUND", "PROVIDER_COUNT"]
+"""``EXACT``: the model's own tokenizer, proven equal to the vendor's code. ``UPPER_BOUND``: an approved bound
+that never undercounts. ``PROVIDER_COUNT``: the provider's counting API answered for the final payload (its
+own count, which Anthropic documents as an estimate): never called exact."""
 ImageFormula = Literal["tiles512", "pixels750"]
 IMAGE_FORMULAS: tuple[ImageFormula, ...] = ("tiles512", "pixels750")
 # Images are scaled down so that their long side is at most this many pixels before the formula applies.
@@ -158,6 +171,14 @@ class TokenizerCounter:
             )
         return cls(tokenizer, digest)
 
+    def encode(self, text: str) -> list[int]:
+        """Return the token ids of ``text`` (special-token spellings in it are plain text)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def special_id(self, token: str) -> int | None:
+        """Return the id of an added token of this tokenizer, or None."""
+        return self.tokenizer.token_to_id(token)
+
     def count_many(self, texts: Sequence[str]) -> list[int]:
         """Return the exact token count of each text (one batch call into the tokenizer)."""
         if not texts:
@@ -271,6 +292,40 @@ class Count:
     specials: int
 
 
+def apportion(parts: Mapping[str, int], total: int) -> dict[str, int]:
+    """Share ``total`` between ``parts`` in proportion to them (largest remainder), so the shares sum to it.
+
+    A provider's counting API answers one total; the buckets and objects keep the local counter's shares of
+    it. Raises ValueError for a negative total or part.
+    """
+    if total < 0 or any(value < 0 for value in parts.values()):
+        raise ValueError("counts cannot be negative")
+    weight = sum(parts.values())
+    if not parts:
+        return {}
+    if weight == 0:
+        first = next(iter(parts))
+        return {name: (total if name == first else 0) for name in parts}
+    shares = {name: value * total // weight for name, value in parts.items()}
+    left = total - sum(shares.values())
+    by_remainder = sorted(parts, key=lambda name: (-(parts[name] * total % weight), name))
+    for name in by_remainder[:left]:
+        shares[name] += 1
+    return shares
+
+
+def with_total(count: Count, total: int, method: CountMethod) -> Count:
+    """The count ``count`` re-apportioned to ``total`` (buckets and objects keep their shares)."""
+    per_bucket = apportion(count.per_bucket, total)
+    return Count(
+        total,
+        per_bucket,
+        apportion(count.per_object, total),
+        method,
+        per_bucket.get(TEMPLATE_BUCKET, 0),
+    )
+
+
 def cache_key(counter_digest: str, template_revision: str, text: str) -> str:
     """Return the cache key of one text segment."""
     return f"tc:{counter_digest}:{template_revision}:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
@@ -299,7 +354,7 @@ def count_stream(
     unique: list[str] = []
     asked: set[str] = set()
     for piece in pieces:
-        if isinstance(piece, Special | Image):
+        if not isinstance(piece, Text):
             continue
         text = piece.text
         if text not in texts and text not in asked:
@@ -325,12 +380,19 @@ def count_stream(
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}
     specials = 0
+    method = counter.method
     for piece in pieces:
         if isinstance(piece, Special):
             specials += 1
             continue
+        if isinstance(piece, Cut):
+            continue
         if isinstance(piece, Image):
             tokens = image_tokens(piece.width, piece.height, image_formula)
+        elif isinstance(piece, Bound):
+            # Every token of a byte-level BPE covers at least one byte (see Bound).
+            tokens = len(piece.text.encode("utf-8"))
+            method = "UPPER_BOUND"
         else:
             tokens = texts[piece.text]
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
@@ -338,7 +400,7 @@ def count_stream(
     per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials
     per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + specials
     total = sum(per_bucket.values())
-    return Count(total, per_bucket, per_object, counter.method, specials)
+    return Count(total, per_bucket, per_object, method, specials)
 
 
 def rendered_digest(payload: object) -> str:

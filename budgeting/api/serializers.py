@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from ladder.counting import CountMethod
+
+COUNT_METHODS = get_args(CountMethod)
 
 MAX_TOKENS = 10_000_000
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,199}$"
@@ -119,6 +123,12 @@ class ClientEstimateIn(StrictSerializer):
     inputTokens = tokens()
 
 
+class DispatchAtAdmissionIn(StrictSerializer):
+    providerRequestId = identifier(
+        help_text="the id the gateway will send the provider call under (unique per tenant)"
+    )
+
+
 class AdmissionIn(StrictSerializer):
     """The envelope; ``components`` is validated by the pure ``ladder.components`` parser."""
 
@@ -134,6 +144,13 @@ class AdmissionIn(StrictSerializer):
     maxOutput = StrictInteger(min_value=1, max_value=MAX_TOKENS)
     clientEstimate = ClientEstimateIn(required=False)
     estimatorRevision = StrictString(max_length=100, required=False)
+    dispatch = DispatchAtAdmissionIn(
+        required=False,
+        help_text="admit and record the dispatch in one call: a 201 answers state DISPATCHED (input posted "
+        "as consumed); send the payload under this providerRequestId next, then report usage, or /fail "
+        "with requestSent false if it was never sent. A queued (202) admission is not dispatched: call "
+        "/dispatch once it is admitted.",
+    )
 
 
 # Output serializers: the views answer dicts built by the services; these classes only describe those bodies
@@ -207,7 +224,13 @@ class DecisionOut(serializers.Serializer):
     fits = serializers.BooleanField()
     rung = serializers.CharField(allow_null=True)
     tokens = TokensOut()
-    countMethod = serializers.CharField(allow_null=True)
+    countMethod = serializers.ChoiceField(
+        choices=COUNT_METHODS,
+        allow_null=True,
+        help_text="EXACT: the model's tokenizer, proven equal to the vendor's; UPPER_BOUND: an approved "
+        "bound that never undercounts; PROVIDER_COUNT: the provider's counting API counted the final payload "
+        "(its estimate, never called exact); null: nothing was counted",
+    )
     renderedDigest = serializers.CharField(help_text="digest of the full (not degraded) payload")
     budget = BudgetOut()
     modelRevision = serializers.CharField()
@@ -250,6 +273,9 @@ class AdmittedOut(DecisionOut):
     reserved = ReservedOut()
     lease = LeaseOut()
     manifestId = serializers.IntegerField(allow_null=True)
+    providerRequestId = serializers.CharField(
+        required=False, help_text="with `dispatch`: the dispatch is recorded (state DISPATCHED)"
+    )
 
 
 class ProblemOut(serializers.Serializer):
@@ -334,7 +360,7 @@ class ManifestSummaryOut(serializers.Serializer):
     decision = serializers.CharField()
     rung = serializers.CharField(allow_null=True)
     policyRevision = serializers.IntegerField(allow_null=True)
-    countMethod = serializers.CharField(allow_null=True)
+    countMethod = serializers.ChoiceField(choices=COUNT_METHODS, allow_null=True, allow_blank=True)
     inputTokens = serializers.IntegerField(allow_null=True)
 
 
@@ -370,7 +396,22 @@ class ReservationOut(serializers.Serializer):
     updatedAt = serializers.DateTimeField()
 
 
-class ReservationAppliedOut(ReservationOut):
+class LifecycleOut(serializers.Serializer):
+    """A lifecycle call's answer: the reservation's state, amounts and lease as the call left them. The
+    whole detail (usage events, ledger entries, holds, manifest) is ``GET /reservations/{id}``'s."""
+
+    reservationId = serializers.UUIDField()
+    state = serializers.CharField()
+    outcome = serializers.CharField(allow_null=True)
+    input = InputOut()
+    output = OutputOut()
+    concurrencyHeld = serializers.BooleanField()
+    providerRequestId = serializers.CharField(allow_null=True)
+    lease = LeaseOut()
+    failureReason = serializers.CharField(allow_null=True)
+
+
+class LifecycleAppliedOut(LifecycleOut):
     applied = serializers.BooleanField(help_text="false when this event id was already recorded (a repeat)")
 
 

@@ -8,10 +8,16 @@ import secrets
 from django.db import models
 from django.db.models import Q
 
+from ladder import families, templates
+
 CAPABILITIES = {"tools", "json_schema", "vision"}
 """What a model revision may declare it supports."""
-TEMPLATE_FAMILIES = {"deepseek", "meta"}
+TEMPLATE_FAMILIES = set(templates.TEMPLATE_FAMILIES)
 """The chat-template families ``ladder.templates`` renders."""
+TOKENIZER_FAMILY_CHOICES = [
+    (name, families.FAMILIES[name].description) for name in families.TOKENIZER_FAMILIES
+]
+"""The tokenizer families ``ladder.families`` can load (a new one is a migration of the choices)."""
 
 
 class RolloutMode(models.TextChoices):
@@ -122,7 +128,11 @@ class ModelPool(models.Model):
 
 class Tokenizer(models.Model):
     name = models.CharField(max_length=100, unique=True)
-    family = models.CharField(max_length=40, help_text="e.g. byte-level-bpe, byte-level-bpe-nfkc")
+    family = models.CharField(
+        max_length=40,
+        choices=TOKENIZER_FAMILY_CHOICES,
+        help_text="How the file is read and which chat templates may frame it (ladder/families.py).",
+    )
     source = models.CharField(max_length=300, help_text="Where the file came from (package and member).")
     file_name = models.CharField(max_length=200, help_text="File name under TOKENIZER_DIR.")
     digest = models.CharField(
@@ -153,6 +163,15 @@ class ImageFormula(models.TextChoices):
     PIXELS_750 = "pixels750", "width × height / 750"
 
 
+class Counter(models.TextChoices):
+    """What counts a model revision's final payload (SPEC §4 "Counters"; ``countMethod`` follows from it)."""
+
+    LOCAL = "local", "Its tokenizer (EXACT)"
+    ANTHROPIC = "anthropic", "Anthropic count_tokens (PROVIDER_COUNT)"
+    GEMINI = "gemini", "Gemini countTokens (PROVIDER_COUNT)"
+    OPENAI = "openai", "OpenAI responses/input_tokens (PROVIDER_COUNT)"
+
+
 class ModelRevision(models.Model):
     name = models.CharField(max_length=100, unique=True, help_text="model@YYYY-MM-DD")
     pools = models.ManyToManyField(ModelPool, related_name="revisions")
@@ -166,6 +185,18 @@ class ModelRevision(models.Model):
     capabilities = models.JSONField(default=list, help_text='Subset of ["tools", "json_schema", "vision"].')
     data_residency = models.CharField(max_length=32)
     safety_tier = models.PositiveSmallIntegerField(default=1)
+    counter = models.CharField(
+        max_length=16,
+        choices=Counter.choices,
+        default=Counter.LOCAL,
+        help_text="Who counts the final payload: the tokenizer, or the provider's counting API through the "
+        "pool's provider base URL and key (the tokenizer then only guides the ladder's walk).",
+    )
+    provider_model = models.CharField(
+        max_length=100,
+        blank=True,
+        help_text="The model id the counting API is asked about (empty: the name before the @).",
+    )
 
     class Meta:
         ordering = ["name"]

@@ -27,6 +27,7 @@ from ledger.models import (
     Hold,
     LedgerEntry,
     Reservation,
+    State,
     UsageEvent,
 )
 
@@ -172,8 +173,10 @@ _MOVE_WITHIN_LIMITS = """
 
 
 def _update_sql(reservation: Reservation) -> tuple[str, list[Any]]:
-    """The reservation's UPDATE as ``save()`` would run it (auto_now fields included)."""
-    fields = [f for f in Reservation._meta.concrete_fields if not f.primary_key]
+    """The reservation's UPDATE as ``save()`` would run it (auto_now fields included): the fields it loaded
+    (a deferred one it never read is left as it is)."""
+    deferred = reservation.get_deferred_fields()
+    fields = [f for f in Reservation._meta.concrete_fields if not f.primary_key and f.attname not in deferred]
     query = UpdateQuery(Reservation)
     query.add_update_fields([(f, None, f.pre_save(reservation, False)) for f in fields])
     query.add_q(Q(pk=reservation.pk))
@@ -448,7 +451,7 @@ _WITHIN_LIMITS = """
 # holds, the entries and the commit only, and a replayed Idempotency-Key fails before taking any lock.
 _HOLD_SQL = (
     """
-    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid)
+    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid, %s::bigint AS c, %s::text AS why)
     , ordered AS (
         SELECT id FROM ledger_capacityaccount
          WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM new_reservation)
@@ -456,18 +459,19 @@ _HOLD_SQL = (
     , held AS (
         UPDATE ledger_capacityaccount AS a
            SET input_reserved = a.input_reserved + m.i,
+               input_consumed = a.input_consumed + m.c,
                output_reserved = a.output_reserved + m.o,
                in_flight = a.in_flight + 1
           FROM ordered, m
          WHERE a.id = ordered.id AND """
-    + _WITHIN_LIMITS.replace("%(i)s", "m.i").replace("%(o)s", "m.o")
+    + _WITHIN_LIMITS.replace("%(i)s", "(m.i + m.c)").replace("%(o)s", "m.o")
     + """
         RETURNING a.id, a.period_start)
     , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
     , entries AS (
         INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
             input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
-        SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.period_start, '', '', now() FROM held, m)
+        SELECT held.id, m.rid, 'HOLD', m.i, m.o, m.c, 0, 1, held.period_start, m.why, '', now() FROM held, m)
     SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held
     """
 )
@@ -492,7 +496,9 @@ def hold_new_reservation(
     All or nothing: when an account refuses the hold, ``ledger_require_holds`` (migration ledger 0009) fails
     the statement, nothing is written, and HoldRefused names the refusing accounts. Accounts are locked in
     ascending id order (the canonical order); the reservation row is new, so nothing else can be waiting on
-    it. Raises IntegrityError for an Idempotency-Key already used.
+    it. A reservation already DISPATCHED (its admission recorded the dispatch) posts its input as consumed
+    instead of holding it, within the same limits. Raises IntegrityError for an Idempotency-Key (or a
+    providerRequestId of the tenant) already used.
     """
     if record is None:
         insert_sql, insert_params = _insert_sql(reservation)
@@ -505,7 +511,19 @@ def hold_new_reservation(
             "(SELECT id FROM record)",
         )
     wanted = sorted(account_ids)
-    amounts: list[Any] = [reservation.input_reserved, reservation.output_reserved, reservation.pk, wanted]
+    # A reservation dispatched by its admission posts its input as consumed at once (its HOLD entry says so).
+    if reservation.state == State.DISPATCHED:
+        held_input, posted_input, reason = 0, reservation.input_consumed, "dispatched at admission"
+    else:
+        held_input, posted_input, reason = reservation.input_reserved, 0, ""
+    amounts: list[Any] = [
+        held_input,
+        reservation.output_reserved,
+        reservation.pk,
+        posted_input,
+        reason,
+        wanted,
+    ]
     holds = _HOLD_SQL.format(record_id=record_id)
     statement = f"{prefix}new_reservation AS ({insert_sql} RETURNING id){holds}"
     try:

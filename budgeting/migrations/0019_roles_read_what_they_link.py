@@ -16,7 +16,7 @@ def sync_roles(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0016_packed_manifest_request"),
+        ("budgeting", "0018_model_revision_counter"),
         ("reconciliation", "0001_initial"),
     ]
 
