@@ -486,7 +486,8 @@ def _request_json(message_list: tuple[Message, ...]) -> str:
         if message.role == "tool":
             entry["tool_call_id"] = message.tool_call_id
         if message.calls:
-            entry["content"] = content or None
+            # As build_payload: no content only when the message has no part at all (images included).
+            entry["content"] = content if message.segments else None
             entry["tool_calls"] = [
                 {
                     "id": call.id,
