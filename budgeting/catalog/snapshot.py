@@ -33,7 +33,7 @@ from budgeting.catalog.models import (
     Tokenizer,
 )
 from budgeting.catalog.tokens import note_use
-from budgeting.db import prepared_cursor, this_connection
+from budgeting.db.cursor import prepared_cursor, this_connection
 from ladder.counting import CountingUnavailable, SegmentCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
 from ladder.families import load_counter
@@ -96,6 +96,7 @@ def model_spec(revision: ModelRevision) -> ModelSpec:
         safety_tier=revision.safety_tier,
         tokenizer_digest=revision.tokenizer.digest,
         upper_bound=cast(UpperBoundRule, revision.tokenizer.upper_bound_rule) or None,
+        provider_counter=None if revision.counter == "local" else revision.counter,
     )
 
 

@@ -17,6 +17,7 @@ from ledger.errors import (
     QuotaExceeded,
 )
 from ledger.models import (
+    LIMITS,
     CapacityAccount,
     EntryKind,
     Period,
@@ -147,26 +148,17 @@ def roll_over(*, account_id: int, now: datetime) -> bool:
 def shortage(
     account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
 ) -> QuotaExceeded:
+    """The QuotaExceeded for an account that refused a hold: the first limit of ``LIMITS`` the hold breaks
+    on the account's balances now (``Limit.refuses``, the statements' predicate in Python)."""
     fresh = CapacityAccount.objects.get(pk=account.pk)
-    checks = [
-        ("input", fresh.input_limit, fresh.input_reserved + fresh.input_consumed, input_tokens),
-        ("output", fresh.output_limit, fresh.output_reserved + fresh.output_consumed, output_tokens),
-        ("concurrency", fresh.concurrency_limit, fresh.in_flight, concurrency),
-    ]
-    short = next(
-        (
-            (dim, limit, used, requested)
-            for dim, limit, used, requested in checks
-            if limit is not None and requested and used + requested > limit
-        ),
-        None,
-    )
+    added = {"input_reserved": input_tokens, "output_reserved": output_tokens, "in_flight": concurrency}
+    short = next((limit for limit in LIMITS if limit.refuses(fresh, added)), None)
     if short is None:
         # The balance moved between the refused UPDATE and this read: say so rather than name a dimension.
         dimension, requested, available = "contended", input_tokens + output_tokens, 0
     else:
-        dimension, limit, used, requested = short
-        available = max((limit or 0) - used, 0)
+        dimension, requested = short.dimension, short.requested(added)
+        available = max(getattr(fresh, short.limit) - short.usage(fresh), 0)
     retry_after = 1 if dimension in {"concurrency", "contended"} else 60
     return QuotaExceeded(
         f"{fresh.label}: {dimension} needs {requested}, {available} available",

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('budgeting', '0017_tokenizer_family_choices'),
+        ('budgeting', '0018_model_revision_counter'),
     ]
 
     operations = [
