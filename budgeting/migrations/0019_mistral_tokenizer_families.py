@@ -4,15 +4,32 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('budgeting', '0018_model_revision_counter'),
+        ("budgeting", "0018_model_revision_counter"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='tokenizer',
-            name='family',
-            field=models.CharField(choices=[('byte-level-bpe', 'Hugging Face tokenizers JSON, byte-level BPE without a normaliser'), ('byte-level-bpe-nfkc', 'Hugging Face tokenizers JSON, byte-level BPE after NFKC'), ('cl100k_base', 'OpenAI cl100k_base (tiktoken BPE file): GPT-4, GPT-3.5'), ('llama3', "Meta Llama 3.x (tiktoken BPE file, Meta's pattern and 256 special tokens)"), ('mistral-sentencepiece', 'Mistral sentencepiece .model.v3/.v7 (7B v0.3, Mixtral, Large 2411), framed by mistral_common'), ('mistral-tekken', 'Mistral tekken JSON (Nemo, Pixtral, Large 2, Small 3), framed by mistral_common'), ('o200k_base', 'OpenAI o200k_base (tiktoken BPE file): GPT-4o, 4.1, 5, o-series')], help_text='How the file is read and which chat templates may frame it (ladder/families.py).', max_length=40),
+            model_name="tokenizer",
+            name="family",
+            field=models.CharField(
+                choices=[
+                    ("byte-level-bpe", "Hugging Face tokenizers JSON, byte-level BPE without a normaliser"),
+                    ("byte-level-bpe-nfkc", "Hugging Face tokenizers JSON, byte-level BPE after NFKC"),
+                    ("cl100k_base", "OpenAI cl100k_base (tiktoken BPE file): GPT-4, GPT-3.5"),
+                    ("llama3", "Meta Llama 3.x (tiktoken BPE file, Meta's pattern and 256 special tokens)"),
+                    (
+                        "mistral-sentencepiece",
+                        "Mistral sentencepiece .model.v3/.v7 (7B v0.3, Mixtral, Large 2411), framed by mistral_common",
+                    ),
+                    (
+                        "mistral-tekken",
+                        "Mistral tekken JSON (Nemo, Pixtral, Large 2, Small 3), framed by mistral_common",
+                    ),
+                    ("o200k_base", "OpenAI o200k_base (tiktoken BPE file): GPT-4o, 4.1, 5, o-series"),
+                ],
+                help_text="How the file is read and which chat templates may frame it (ladder/families.py).",
+                max_length=40,
+            ),
         ),
     ]

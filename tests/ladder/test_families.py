@@ -173,7 +173,7 @@ def check_openai_exact(name: str, comps: Components, reference: tiktoken.Encodin
     counter = openai_counter(name)
     pieces, result = count("openai", counter, comps)
     assert result.method == "EXACT"
-    payload = get_template("openai").payload(comps)
+    payload: dict[str, Any] = get_template("openai").payload(comps)
     entries = payload["messages"]
     assert all(isinstance(entry["content"], str) for entry in entries)
     assert result.total == num_tokens_from_messages(entries, reference)
@@ -213,7 +213,7 @@ def test_openai_with_tools_is_an_upper_bound_over_every_token_it_sends(name: str
     reference = openai_reference("o200k_base")
     hidden = [piece.text for piece in pieces if isinstance(piece, Bound)]
     assert hidden
-    payload = get_template("openai").payload(comps)
+    payload: dict[str, Any] = get_template("openai").payload(comps)
     shown = [entry for entry in payload["messages"] if isinstance(entry["content"], str)]
     floor = num_tokens_from_messages(
         [{"role": entry["role"], "content": entry["content"]} for entry in shown], reference

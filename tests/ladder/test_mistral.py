@@ -125,7 +125,9 @@ def test_tool_call_ids_become_ids_mistral_accepts_consistently() -> None:
     derived = mistral_call_id("call-1-0")
     assert derived == mistral_call_id("call-1-0") != mistral_call_id("call-1-1")
     assert len(derived) == 9 and derived.isalnum()
-    payload = get_template("mistral").payload(parse_components(GOLDEN["code"](), limits=Limits()))
+    payload: dict[str, Any] = get_template("mistral").payload(
+        parse_components(GOLDEN["code"](), limits=Limits())
+    )
     calls = {call["id"] for entry in payload["messages"] for call in entry.get("tool_calls") or []}
     results = {entry["tool_call_id"] for entry in payload["messages"] if entry["role"] == "tool"}
     assert calls == results and all(len(call) == 9 for call in calls)
