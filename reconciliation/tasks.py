@@ -9,18 +9,22 @@ from __future__ import annotations
 from celery import shared_task
 from django.utils import timezone
 
+from ledger.services import slots
 from reconciliation import billing, reclaim
 
 
 @shared_task(name="reconciliation.reclaim_expired_leases")
 def reclaim_expired_leases() -> dict[str, int]:
-    report = reclaim.reclaim_expired_leases(now=timezone.now())
+    now = timezone.now()
+    report = reclaim.reclaim_expired_leases(now=now)
     return {
         "released": report.released,
         "frozen": report.frozen,
         "settled": report.settled,
         "refunded": report.refunded,
         "stillUnknown": report.still_unknown,
+        # Unknown outcomes keep their tokens; a call past its pool's maximum duration gives its slot back.
+        "slotsFreed": slots.free_ended_calls(now=now),
     }
 
 

@@ -77,7 +77,7 @@ TEXT_RULES = {
 def text_rule_breaches(root: Path) -> list[str]:
     """Every production file under ``root`` with a pattern of ``TEXT_RULES`` outside the files it belongs in,
     as ``path: rule``."""
-    found = []
+    found: list[str] = []
     for top in PRODUCTION:
         for path in sorted((root / top).rglob("*.py")):
             relative = path.relative_to(root).as_posix()
