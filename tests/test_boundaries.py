@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import grimp
+
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 ENV = {
@@ -120,3 +122,36 @@ def test_a_planted_file_breaks_each_text_rule(tmp_path):
         "ledger/sneaky.py: INSERT INTO ledger_ledgerentry",
         "reconciliation/sneaky.py: UPDATE ledger_capacityaccount",
     ]
+
+
+# The "may" column for what is not a room: the libraries a pure room may import beside the standard library.
+# The ladder: the vendors' tokenizer libraries it counts with, and orjson, a pure encoder (no I/O, no state)
+# that writes the canonical JSON of a large request's digests several times faster than the standard library,
+# byte for byte the same (``ladder.components._orjson_canonical`` falls back where it could differ).
+MAY_IMPORT = {"ladder": {"tokenizers", "tiktoken", "orjson"}, "tokenbudget_gateway": set()}
+
+
+def libraries_imported_by(package: str) -> set[str]:
+    """The top-level packages outside the standard library that ``package`` (and its modules) import."""
+    graph = grimp.build_graph(package, include_external_packages=True)
+    modules = graph.find_descendants(package) | {package}
+    imported = {i for m in modules for i in graph.find_modules_directly_imported_by(m)}
+    tops = {name.split(".")[0] for name in imported}
+    return tops - set(sys.stdlib_module_names) - {package}
+
+
+def test_pure_rooms_import_only_the_libraries_they_may():
+    for package, allowed in MAY_IMPORT.items():
+        assert libraries_imported_by(package) <= allowed, package
+
+
+def test_a_planted_import_in_a_pure_room_is_found(tmp_path, monkeypatch):
+    """Negative control: a package that imports Django beside what the ladder may import is caught."""
+    planted = tmp_path / "planted_room"
+    planted.mkdir()
+    (planted / "__init__.py").write_text("import json\nimport orjson\n")
+    (planted / "sneaky.py").write_text(
+        "def f():\n    from django.db import connection\n    return connection\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert libraries_imported_by("planted_room") == {"orjson", "django"}
