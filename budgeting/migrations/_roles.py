@@ -100,9 +100,9 @@ ROLES_0013: dict[str, tuple[str, ...]] = {
 }
 
 
-# The roles as of migration 0020: the analyst views the catalog objects and billing imports its pages link to,
+# The roles as of migration 0019: the analyst views the catalog objects and billing imports its pages link to,
 # finance the tokenizers a model revision links to.
-ROLES_0020: dict[str, tuple[str, ...]] = {
+ROLES_0019: dict[str, tuple[str, ...]] = {
     "finance": (
         "ledger.view_capacityaccount",
         "ledger.change_capacityaccount",

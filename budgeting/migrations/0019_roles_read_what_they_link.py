@@ -1,4 +1,4 @@
-"""The roles again (frozen as ``_roles.ROLES_0020``): the analyst may now view the catalog objects and billing imports its pages
+"""The roles again (frozen as ``_roles.ROLES_0019``): the analyst may now view the catalog objects and billing imports its pages
 link to, and finance the tokenizers a model revision links to (issue 19: no link into a 403)."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from budgeting.migrations import _roles
 
 
 def sync_roles(apps: Any, schema_editor: Any) -> None:
-    _roles.sync(apps, _roles.ROLES_0020)
+    _roles.sync(apps, _roles.ROLES_0019)
 
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0019_pool_max_call_seconds"),
+        ("budgeting", "0018_model_revision_counter"),
         ("reconciliation", "0001_initial"),
     ]
 

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0018_model_revision_counter"),
+        ("budgeting", "0019_roles_read_what_they_link"),
     ]
 
     operations = [
