@@ -85,14 +85,22 @@ def lock_reconciling(expired_before: object, limit: int) -> list[Reservation]:
 
 
 def reserve_on_accounts(
-    account_ids: Sequence[int], *, input_tokens: int, output_tokens: int, concurrency: int
+    account_ids: Sequence[int],
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    concurrency: int,
+    spend: int = 0,
+    currency: str = "",
 ) -> int | None:
     """Hold capacity on every account in one statement; returns None, or the first account that is short.
 
     The CTE locks the rows in ascending id order (FOR UPDATE as the sorted rows are emitted), which is the
     canonical order. The UPDATE's WHERE clause is then evaluated on the latest row version (Read Committed
     re-checks a row changed by a concurrent writer), so two transactions can never both pass the check on
-    stale balances. If any account is short, the caller rolls the whole transaction back.
+    stale balances. If any account is short, the caller rolls the whole transaction back. Money (``spend``
+    micro-units of ``currency``) is held on the accounts kept in that currency; an account with a spend limit
+    refuses a hold in another currency (or none).
     """
     ids = sorted(account_ids)
     with connection.cursor() as cursor:
@@ -104,7 +112,8 @@ def reserve_on_accounts(
             UPDATE ledger_capacityaccount AS a
                SET input_reserved = a.input_reserved + %(i)s,
                    output_reserved = a.output_reserved + %(o)s,
-                   in_flight = a.in_flight + %(c)s
+                   in_flight = a.in_flight + %(c)s,
+                   spend_reserved = a.spend_reserved + %(s)s * (a.currency = %(cur)s)::int
               FROM ordered
              WHERE a.id = ordered.id
                AND (a.input_limit IS NULL OR %(i)s = 0
@@ -112,9 +121,11 @@ def reserve_on_accounts(
                AND (a.output_limit IS NULL OR %(o)s = 0
                     OR a.output_reserved + a.output_consumed + %(o)s <= a.output_limit)
                AND (a.concurrency_limit IS NULL OR %(c)s = 0 OR a.in_flight + %(c)s <= a.concurrency_limit)
+               AND (a.spend_limit IS NULL OR (a.currency = %(cur)s
+                    AND a.spend_reserved + a.spend_consumed + %(s)s <= a.spend_limit))
             RETURNING a.id
             """,
-            {"ids": ids, "i": input_tokens, "o": output_tokens, "c": concurrency},
+            {"ids": ids, "i": input_tokens, "o": output_tokens, "c": concurrency, "s": spend, "cur": currency},
         )
         held = {row[0] for row in cursor.fetchall()}
     return next((account_id for account_id in ids if account_id not in held), None)

@@ -413,6 +413,7 @@ def _admit(
         queue=r.queue_allowed,
         queue_deadline_seconds=r.queue_deadline_seconds,
         request_body={"decisionBody": body},
+        price=caller.snapshot.price(_model_used(ctx, decision), caller.db_now),
     )
     try:
         with tracing.span("admission.reserve") as span:

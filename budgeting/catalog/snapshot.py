@@ -22,11 +22,13 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from budgeting.catalog.errors import NotFound, Unavailable
+from budgeting.catalog.prices import FrozenPrice, FrozenPriceAt, price_in_force
 from budgeting.catalog.models import (
     ApiToken,
     ModelPool,
     ModelRevision,
     PolicyAlias,
+    Price,
     ServiceClient,
     TaskClass,
     Tenant,
@@ -139,6 +141,8 @@ class Snapshot:
     tokenizer_files: dict[str, str]
     policy: Policy | None
     global_cap_floor: int | None
+    prices: dict[int, list[FrozenPriceAt]] = field(default_factory=dict)
+    """Per model revision id, its price versions by start (a new price bumps the catalog version)."""
     _resolved: dict[tuple[str, str, str], Resolved] = field(default_factory=dict)
 
     def caller(self, token_hash: str, db_now: datetime) -> Caller | None:
@@ -200,6 +204,10 @@ class Snapshot:
             queue_deadline_seconds=task_policy.queue.deadline_seconds or tc.queue_deadline_seconds,
         )
 
+    def price(self, model: ModelRevision, at: datetime) -> FrozenPrice | None:
+        """The model revision's price in force at ``at`` (the database clock of the admission), or None."""
+        return price_in_force(self.prices.get(model.pk, []), at)
+
     def counter_for(self, spec: ModelSpec) -> TokenizerCounter:
         """The tokenizer a model spec names (loaded once per process). Raises CountingUnavailable when the
         file is missing or its bytes are not the provisioned digest (a swapped file is provisioned anew)."""
@@ -237,6 +245,9 @@ def _load(version: int | None) -> Snapshot:
     ):
         model_pools.setdefault(name, set()).add(pool_id)
     alias = PolicyAlias.objects.select_related("version").filter(name=ACTIVE_ALIAS).first()
+    prices: dict[int, list[FrozenPriceAt]] = {}
+    for price in Price.objects.order_by("model_revision_id", "effective_from"):
+        prices.setdefault(price.model_revision_id, []).append((price.effective_from, FrozenPrice.of(price)))
     return Snapshot(
         version=version,
         tokens=tokens,
@@ -248,6 +259,7 @@ def _load(version: int | None) -> Snapshot:
         tokenizer_files=dict(Tokenizer.objects.values_list("digest", "file_name")),
         policy=None if alias is None else _parsed(json.dumps(alias.version.document, sort_keys=True)),
         global_cap_floor=None if alias is None else alias.global_cap_floor,
+        prices=prices,
     )
 
 

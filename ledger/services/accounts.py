@@ -13,7 +13,9 @@ from django.db.models import Q
 
 from budgeting.catalog.models import ModelPool, TaskClass, Tenant
 from ledger import locks
+from budgeting.catalog.prices import from_micro
 from ledger.errors import (
+    PriceUnavailable,
     QuotaExceeded,
 )
 from ledger.models import (
@@ -139,19 +141,40 @@ def roll_over(*, account_id: int, now: datetime) -> bool:
             reason=f"period {account.period_start:%Y-%m-%d} closed",
             input_consumed=-account.input_consumed,
             output_consumed=-account.output_consumed,
+            spend_consumed=-account.spend_consumed,
         )
         CapacityAccount.objects.filter(pk=account.pk).update(period_start=start)
         return True
 
 
 def shortage(
-    account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
+    account: CapacityAccount,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    concurrency: int,
+    spend: int = 0,
+    currency: str | None = None,
 ) -> QuotaExceeded:
+    """The problem of a refused hold, read from the account's current balances: the first dimension that is
+    short (input, output, concurrency, spend), with what was requested and what is available (money in
+    micro-units, and as a decimal amount of the account's currency).
+
+    Raises PriceUnavailable when the account has a spend limit in another currency than the request's price
+    (or the request has none): its limit was set after the account list was cached."""
     fresh = CapacityAccount.objects.get(pk=account.pk)
+    if fresh.spend_limit is not None and currency != fresh.currency:
+        raise PriceUnavailable(
+            f"{fresh.label} has a spend limit in {fresh.currency} and the model revision has "
+            + ("no price in force" if currency is None else f"its price in {currency}"),
+            account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
+            currency=fresh.currency,
+        )
     checks = [
         ("input", fresh.input_limit, fresh.input_reserved + fresh.input_consumed, input_tokens),
         ("output", fresh.output_limit, fresh.output_reserved + fresh.output_consumed, output_tokens),
         ("concurrency", fresh.concurrency_limit, fresh.in_flight, concurrency),
+        ("spend", fresh.spend_limit, fresh.spend_reserved + fresh.spend_consumed, spend),
     ]
     short = next(
         (
@@ -168,6 +191,23 @@ def shortage(
         dimension, limit, used, requested = short
         available = max((limit or 0) - used, 0)
     retry_after = 1 if dimension in {"concurrency", "contended"} else 60
+    if dimension == "spend":
+        money = {
+            "currency": fresh.currency,
+            "requestedAmount": str(from_micro(requested)),
+            "availableAmount": str(from_micro(available)),
+        }
+        return QuotaExceeded(
+            f"{fresh.label}: spend needs {money['requestedAmount']} {fresh.currency}, "
+            f"{money['availableAmount']} available",
+            retry_after=retry_after,
+            account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
+            dimension=dimension,
+            requested=requested,
+            available=available,
+            unit="micro-" + fresh.currency,
+            **money,
+        )
     return QuotaExceeded(
         f"{fresh.label}: {dimension} needs {requested}, {available} available",
         retry_after=retry_after,

@@ -13,12 +13,15 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.prices import FrozenPrice
 from ledger import locks
 from ledger.errors import (
     IdempotencyConflict,
+    PriceUnavailable,
     QuotaExceeded,
 )
 from ledger.models import (
+    CapacityAccount,
     EntryKind,
     Hold,
     Reservation,
@@ -50,6 +53,8 @@ class AdmissionSpec:
     queue: bool = False
     queue_deadline_seconds: int = 60
     request_body: dict[str, Any] | None = None
+    price: FrozenPrice | None = None
+    """The model revision's price in force at admission (the fallback model's for SMALLER_MODEL)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,18 @@ def find_by_idempotency_key(
 def _new_reservation(
     spec: AdmissionSpec, state: str, *, manifest_id: int | None, **fields: Any
 ) -> Reservation:
+    price = spec.price
+    if price is not None:
+        held = price.hold(spec.input_tokens, spec.output_tokens)
+        fields.update(
+            price_id=price.price_id,
+            currency=price.currency,
+            input_price=price.input,
+            cached_input_price=price.cached_input,
+            output_price=price.output,
+            spend_reserved=held,
+            spend_remaining=held,
+        )
     return Reservation(
         id=uuid.uuid4(),
         tenant=spec.tenant,
@@ -110,6 +127,19 @@ def _replay_of(spec: AdmissionSpec, error: IntegrityError) -> Admitted:
     return Admitted(earlier, replayed=True)
 
 
+def require_price(accounts: list[CapacityAccount], price: FrozenPrice | None) -> None:
+    """Raises PriceUnavailable when an account has a spend limit and the price is missing or in another
+    currency: a money limit never admits a call it cannot price."""
+    for account in accounts:
+        if account.spend_limit is not None and (price is None or price.currency != account.currency):
+            raise PriceUnavailable(
+                f"{account.label} has a spend limit in {account.currency} and the model revision has "
+                + ("no price in force" if price is None else f"its price in {price.currency}"),
+                account={"id": account.pk, "scope": account.scope, "label": account.label},
+                currency=account.currency,
+            )
+
+
 def reserve(
     *,
     spec: AdmissionSpec,
@@ -126,9 +156,13 @@ def reserve(
     all; the reservation references it.
     ``db_now`` is the database clock the lease is measured from (read now when not given).
 
+    Money is held with the tokens, at ``spec.price`` (frozen on the reservation), on the accounts kept in
+    its currency.
+
     Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
     queues, or the earlier reservation for the same idempotency key (replayed=True, nothing written).
-    Raises QuotaExceeded (nothing written), IdempotencyConflict, or Contention after repeated deadlocks.
+    Raises QuotaExceeded (nothing written), PriceUnavailable, IdempotencyConflict, or Contention after
+    repeated deadlocks.
     """
     # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
     # common path of a new key one query shorter.
@@ -139,6 +173,7 @@ def reserve(
         now=now,
         catalog_version=catalog_version,
     )
+    require_price(accounts, spec.price)
 
     def attempt() -> Reservation:
         clock = db_now or locks.db_now()
@@ -169,7 +204,12 @@ def reserve(
         return _replay_of(spec, error)
     except ShortageSignal as signal:
         problem = shortage(
-            signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
+            signal.account,
+            input_tokens=spec.input_tokens,
+            output_tokens=spec.output_tokens,
+            concurrency=1,
+            spend=0 if spec.price is None else spec.price.hold(spec.input_tokens, spec.output_tokens),
+            currency=None if spec.price is None else spec.price.currency,
         )
         if spec.queue:
             return _enqueue(spec, build_body, problem, record)
@@ -237,6 +277,8 @@ def admit_queued(
             input_tokens=reservation.input_reserved,
             output_tokens=reservation.output_reserved,
             concurrency=1,
+            spend=reservation.spend_reserved,
+            currency=reservation.currency,
         )
         if short is not None:
             transaction.savepoint_rollback(savepoint)
@@ -256,6 +298,7 @@ def admit_queued(
             input_reserved=reservation.input_reserved,
             output_reserved=reservation.output_reserved,
             in_flight=1,
+            spend_reserved=reservation.spend_reserved,
         )
         return reservation
 

@@ -16,6 +16,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Q, Sum
 from django.db.models.sql import UpdateQuery
 
+from budgeting.catalog.prices import cost
 from budgeting.db import prepared_cursor, this_connection
 from ledger import locks
 from ledger.errors import (
@@ -40,8 +41,9 @@ REFUSED_SQLSTATE = "TB429"
 class _Move:
     kind: str
     reason: str
-    # account id -> (input reserved, output reserved, input consumed, output consumed, in flight)
-    deltas: dict[int, tuple[int, int, int, int, int]]
+    # account id -> (input reserved, output reserved, input consumed, output consumed, in flight,
+    # spend reserved, spend consumed); spend moves only on the accounts of the reservation's currency
+    deltas: dict[int, tuple[int, int, int, int, int, int, int]]
 
 
 @dataclass
@@ -53,6 +55,10 @@ class Postings:
     downward correction) is limited, per account, to what this reservation posted into the account's current
     period: the rest was consumed in a period since closed by a roll-over, stays there, and is not taken from
     the new period (which must not go negative); its entry says when part of the decrease stayed behind.
+
+    Money follows the tokens: before the statement is written (and before a settlement releases the rest),
+    the reservation's posted spend is brought to what its tokens cost at the prices frozen on it
+    (``_post_spend``), out of its money hold.
     """
 
     reservation: Reservation
@@ -70,32 +76,55 @@ class Postings:
         input_consumed: int = 0,
         output_consumed: int = 0,
         in_flight: int = 0,
+        spend_reserved: int = 0,
+        spend_consumed: int = 0,
     ) -> None:
-        amounts = (input_reserved, output_reserved, input_consumed, output_consumed, in_flight)
+        amounts = (
+            input_reserved,
+            output_reserved,
+            input_consumed,
+            output_consumed,
+            in_flight,
+            spend_reserved,
+            spend_consumed,
+        )
         if not any(amounts):
             return
-        if input_consumed >= 0 and output_consumed >= 0:
+        if input_consumed >= 0 and output_consumed >= 0 and spend_consumed >= 0:
             self.moves.append(_Move(kind, reason[:300], dict.fromkeys(self.account_ids, amounts)))
             return
         # What was posted so far must be written before it can be counted: the rare decrease costs statements.
         self.flush(save=False)
         periods = locks.lock_account_periods(self.account_ids)
-        posted: dict[int, tuple[int, int]] = {}
+        posted: dict[int, tuple[int, int, int]] = {}
         for row in (
             LedgerEntry.objects.filter(reservation=self.reservation, account_id__in=self.account_ids)
             .values("account_id", "period_start")
-            .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"))
+            .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"), s=Sum("spend_consumed"))
         ):
             if row["period_start"] == periods[row["account_id"]]:
-                posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0)
+                posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0, row["s"] or 0)
         for account_id in self.account_ids:
-            done_in, done_out = posted.get(account_id, (0, 0))
+            done_in, done_out, done_spend = posted.get(account_id, (0, 0, 0))
             in_consumed = max(input_consumed, -done_in) if input_consumed < 0 else input_consumed
             out_consumed = max(output_consumed, -done_out) if output_consumed < 0 else output_consumed
-            applied = (input_reserved, output_reserved, in_consumed, out_consumed, in_flight)
+            sp_consumed = max(spend_consumed, -done_spend) if spend_consumed < 0 else spend_consumed
+            applied = (
+                input_reserved,
+                output_reserved,
+                in_consumed,
+                out_consumed,
+                in_flight,
+                spend_reserved,
+                sp_consumed,
+            )
             if not any(applied):
                 continue
-            closed = (in_consumed, out_consumed) != (input_consumed, output_consumed)
+            closed = (in_consumed, out_consumed, sp_consumed) != (
+                input_consumed,
+                output_consumed,
+                spend_consumed,
+            )
             note = " (part of the decrease belongs to a closed period)" if closed else ""
             self.moves.append(_Move(kind, (reason + note)[:300], {account_id: applied}))
 
@@ -109,6 +138,7 @@ class Postings:
         holds after it; the caller rolls the transaction back when an account is missing."""
         parts: list[tuple[str, list[object]]] = []
         if save:
+            _post_spend(self)
             parts.append(_update_sql(self.reservation))
         parts.extend(_insert_sql(row) for row in self.inserts)
         rows = [
@@ -124,13 +154,16 @@ class Postings:
         moved = "SELECT 1 WHERE false"
         if rows:
             values = ", ".join(
-                ["(%s::int, %s::bigint, %s, %s, %s::bigint, %s::bigint, %s::bigint, %s::bigint, %s::int)"]
+                [
+                    "(%s::int, %s::bigint, %s, %s, %s::bigint, %s::bigint, %s::bigint, %s::bigint, %s::int,"
+                    " %s::bigint, %s::bigint)"
+                ]
                 * len(rows)
             )
-            ctes.append(f"m(ord, account_id, kind, reason, ir, orr, ic, oc, fl) AS (VALUES {values})")
+            ctes.append(f"m(ord, account_id, kind, reason, ir, orr, ic, oc, fl, sr, sc) AS (VALUES {values})")
             params.extend(value for row in rows for value in row)
             ctes.append(_MOVES_SQL.format(limits=_MOVE_WITHIN_LIMITS if within_limits else ""))
-            params.append(self.reservation.pk)
+            params.extend([self.reservation.currency, self.reservation.pk])
             moved = "SELECT id FROM upd"
         with connection.cursor() as cursor:
             cursor.execute(
@@ -143,31 +176,43 @@ class Postings:
 
 # The moves of one flush: accounts locked in ascending id order, balances moved by the sum of the moves, one
 # entry per move and account (in the moves' order, so entry ids follow what happened).
+# Money moves only on the accounts kept in the reservation's currency (``cur``; an unpriced reservation has
+# none): ``l.money`` is 1 there, 0 elsewhere; an entry that would move nothing there is not written.
 _MOVES_SQL = """
+cur AS (SELECT %s::text AS code),
 locked AS (
-    SELECT id, period_start FROM ledger_capacityaccount
+    SELECT id, period_start, (currency = (SELECT code FROM cur))::int AS money FROM ledger_capacityaccount
      WHERE id IN (SELECT account_id FROM m) ORDER BY id FOR UPDATE),
 sums AS (
-    SELECT account_id, sum(ir) AS ir, sum(orr) AS orr, sum(ic) AS ic, sum(oc) AS oc, sum(fl) AS fl
+    SELECT account_id, sum(ir) AS ir, sum(orr) AS orr, sum(ic) AS ic, sum(oc) AS oc, sum(fl) AS fl,
+           sum(sr) AS sr, sum(sc) AS sc
       FROM m GROUP BY account_id),
 upd AS (
     UPDATE ledger_capacityaccount AS a
        SET input_reserved = a.input_reserved + s.ir, output_reserved = a.output_reserved + s.orr,
            input_consumed = a.input_consumed + s.ic, output_consumed = a.output_consumed + s.oc,
-           in_flight = a.in_flight + s.fl
+           in_flight = a.in_flight + s.fl,
+           spend_reserved = a.spend_reserved + s.sr * l.money,
+           spend_consumed = a.spend_consumed + s.sc * l.money
       FROM sums AS s JOIN locked AS l ON l.id = s.account_id
      WHERE a.id = s.account_id {limits}
     RETURNING a.id),
 ent AS (
     INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-        input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
-    SELECT m.account_id, %s, m.kind, m.ir, m.orr, m.ic, m.oc, m.fl, l.period_start, m.reason, '', now()
-      FROM m JOIN locked AS l ON l.id = m.account_id ORDER BY m.ord, m.account_id)
+        input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
+        created_by, created_at)
+    SELECT m.account_id, %s, m.kind, m.ir, m.orr, m.ic, m.oc, m.fl, m.sr * l.money, m.sc * l.money,
+           l.period_start, m.reason, '', now()
+      FROM m JOIN locked AS l ON l.id = m.account_id
+     WHERE (m.ir, m.orr, m.ic, m.oc, m.fl, m.sr * l.money, m.sc * l.money) <> (0, 0, 0, 0, 0, 0, 0)
+     ORDER BY m.ord, m.account_id)
 """
 # A top-up holds more output: every limit must still hold after it (as for a new hold).
 _MOVE_WITHIN_LIMITS = """
        AND (a.output_limit IS NULL OR s.orr <= 0
             OR a.output_reserved + a.output_consumed + s.orr <= a.output_limit)
+       AND (a.spend_limit IS NULL OR s.sr * l.money <= 0
+            OR a.spend_reserved + a.spend_consumed + s.sr <= a.spend_limit)
 """
 
 
@@ -307,10 +352,18 @@ def held_account_ids(reservation: Reservation) -> list[int]:
 
 
 def write_entries(
-    reservation: Reservation, accounts: Iterable[CapacityAccount], kind: str, **deltas: int
+    reservation: Reservation, accounts: Iterable[CapacityAccount], kind: str, spend_reserved: int = 0, **deltas: int
 ) -> None:
+    """One entry per account; the money only on the accounts kept in the reservation's currency."""
     LedgerEntry.objects.bulk_create(
-        LedgerEntry(account=a, reservation=reservation, kind=kind, period_start=a.period_start, **deltas)
+        LedgerEntry(
+            account=a,
+            reservation=reservation,
+            kind=kind,
+            period_start=a.period_start,
+            spend_reserved=spend_reserved if a.currency == reservation.currency else 0,
+            **deltas,
+        )
         for a in accounts
     )
 
@@ -382,10 +435,11 @@ def settle(
     refund_input: int = 0,
 ) -> None:
     """Apply a settling transition (it moves ``remaining`` to ``released``), then release that output
-    hold, the concurrency slot and any unposted input hold on every account; refund input when proven
-    unprocessed."""
+    hold, the concurrency slot, the money still held and any unposted input hold on every account; refund
+    input (and its money) when proven unprocessed."""
     reservation = posts.reservation
-    remaining = reservation.remaining
+    _post_spend(posts)
+    remaining, money_left = reservation.remaining, reservation.spend_remaining
     transition()
     slot = -1 if reservation.concurrency_held else 0
     reservation.concurrency_held = False
@@ -395,6 +449,7 @@ def settle(
         output_reserved=-remaining,
         in_flight=slot,
         input_reserved=-release_input,
+        spend_reserved=-money_left,
         reason=reason,
     )
     if refund_input:
@@ -403,6 +458,39 @@ def settle(
             input_consumed=-refund_input,
             reason="provider never processed the request: input refunded",
         )
+
+
+def posted_spend(reservation: Reservation) -> int:
+    """What the reservation's consumed tokens cost at the prices frozen on it: uncached input, cached input
+    (as far as the provider reported it) and output with overrun, each rounded up to a micro-unit."""
+    if not reservation.currency:
+        return 0
+    cached = min(reservation.input_cached, reservation.input_consumed)
+    return (
+        cost(reservation.input_consumed - cached, reservation.input_price)
+        + cost(cached, reservation.cached_input_price)
+        + cost(reservation.captured + reservation.overrun, reservation.output_price)
+    )
+
+
+def _post_spend(posts: Postings) -> None:
+    """Bring the money posted for the reservation to what its consumed tokens cost: an increase is taken
+    from its money hold (beyond it, an overrun), a decrease (refund, downward correction) comes off the
+    overrun first, then what was captured, which is then released."""
+    reservation = posts.reservation
+    delta = posted_spend(reservation) - reservation.spend_captured - reservation.spend_overrun
+    if delta > 0:
+        take = min(delta, reservation.spend_remaining)
+        reservation.spend_captured += take
+        reservation.spend_remaining -= take
+        reservation.spend_overrun += delta - take
+        posts.move(EntryKind.POST, spend_reserved=-take, spend_consumed=delta, reason="spend posted")
+    elif delta < 0:
+        from_overrun = min(-delta, reservation.spend_overrun)
+        reservation.spend_overrun -= from_overrun
+        reservation.spend_captured -= -delta - from_overrun
+        reservation.spend_released += -delta - from_overrun
+        posts.move(EntryKind.CORRECTION, spend_consumed=delta, reason="spend corrected")
 
 
 def post_to_account(
@@ -414,18 +502,21 @@ def post_to_account(
     created_by: str = "",
     input_consumed: int = 0,
     output_consumed: int = 0,
+    spend_consumed: int = 0,
 ) -> LedgerEntry:
     """Move an account's consumed balances outside any reservation (a roll-over, a person's correction) and
     write its entry. The caller holds the account's row lock (``locks.lock_account``)."""
     CapacityAccount.objects.filter(pk=account.pk).update(
         input_consumed=F("input_consumed") + input_consumed,
         output_consumed=F("output_consumed") + output_consumed,
+        spend_consumed=F("spend_consumed") + spend_consumed,
     )
     return LedgerEntry.objects.create(
         account=account,
         kind=kind,
         input_consumed=input_consumed,
         output_consumed=output_consumed,
+        spend_consumed=spend_consumed,
         period_start=period_start,
         reason=reason[:300],
         created_by=created_by,
@@ -439,6 +530,8 @@ _WITHIN_LIMITS = """
     AND (a.output_limit IS NULL OR %(o)s = 0
          OR a.output_reserved + a.output_consumed + %(o)s <= a.output_limit)
     AND (a.concurrency_limit IS NULL OR a.in_flight + 1 <= a.concurrency_limit)
+    AND (a.spend_limit IS NULL
+         OR (a.currency = %(c)s AND a.spend_reserved + a.spend_consumed + %(s)s <= a.spend_limit))
 """
 
 
@@ -448,7 +541,7 @@ _WITHIN_LIMITS = """
 # holds, the entries and the commit only, and a replayed Idempotency-Key fails before taking any lock.
 _HOLD_SQL = (
     """
-    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid)
+    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid, %s::bigint AS s, %s::text AS c)
     , ordered AS (
         SELECT id FROM ledger_capacityaccount
          WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM new_reservation)
@@ -457,17 +550,23 @@ _HOLD_SQL = (
         UPDATE ledger_capacityaccount AS a
            SET input_reserved = a.input_reserved + m.i,
                output_reserved = a.output_reserved + m.o,
-               in_flight = a.in_flight + 1
+               in_flight = a.in_flight + 1,
+               spend_reserved = a.spend_reserved + m.s * (a.currency = m.c)::int
           FROM ordered, m
          WHERE a.id = ordered.id AND """
-    + _WITHIN_LIMITS.replace("%(i)s", "m.i").replace("%(o)s", "m.o")
+    + _WITHIN_LIMITS.replace("%(i)s", "m.i")
+    .replace("%(o)s", "m.o")
+    .replace("%(s)s", "m.s")
+    .replace("%(c)s", "m.c")
     + """
-        RETURNING a.id, a.period_start)
+        RETURNING a.id, a.period_start, m.s * (a.currency = m.c)::int AS s)
     , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
     , entries AS (
         INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-            input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
-        SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.period_start, '', '', now() FROM held, m)
+            input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
+            created_by, created_at)
+        SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.s, 0, held.period_start, '', '', now()
+          FROM held, m)
     SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held
     """
 )
@@ -484,8 +583,9 @@ class HoldRefused(Exception):
 def hold_new_reservation(
     reservation: Reservation, account_ids: Sequence[int], record: RecordInsert | None = None
 ) -> int | None:
-    """Insert a new reservation and hold its input, output and one concurrency slot on every account, each
-    conditional on the account's limits, with its holds and one HOLD entry per account: ONE statement, a
+    """Insert a new reservation and hold its input, output, money (``spend_reserved``, on the accounts kept
+    in its currency) and one concurrency slot on every account, each conditional on the account's limits (an
+    account with a spend limit refuses a reservation without a price in its currency), with its holds and one HOLD entry per account: ONE statement, a
     transaction of its own (no BEGIN and COMMIT round trips). With ``record``, the same statement inserts the
     caller's record first and the reservation references it; returns the record's id.
 
@@ -505,7 +605,14 @@ def hold_new_reservation(
             "(SELECT id FROM record)",
         )
     wanted = sorted(account_ids)
-    amounts: list[Any] = [reservation.input_reserved, reservation.output_reserved, reservation.pk, wanted]
+    amounts: list[Any] = [
+        reservation.input_reserved,
+        reservation.output_reserved,
+        reservation.pk,
+        reservation.spend_reserved,
+        reservation.currency,
+        wanted,
+    ]
     holds = _HOLD_SQL.format(record_id=record_id)
     statement = f"{prefix}new_reservation AS ({insert_sql} RETURNING id){holds}"
     try:
