@@ -14,6 +14,7 @@ from django.db.models import F, Q
 from django_fsm import FSMField, FSMModelMixin, transition
 
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.prices import cost
 from ledger.jsonfields import PackedJSONField
 
 
@@ -364,6 +365,18 @@ class Reservation(FSMModelMixin, models.Model):
         self.outcome = Outcome.RELEASED
         self.input_consumed = 0
         self._release_rest()
+
+    def consumed_cost(self) -> int:
+        """What the consumed tokens cost at the prices frozen on the reservation, in micro-units: uncached
+        input, cached input (as far as the provider reported it) and output with overrun, each rounded up."""
+        if not self.currency:
+            return 0
+        cached = min(self.input_cached, self.input_consumed)
+        return (
+            cost(self.input_consumed - cached, self.input_price)
+            + cost(cached, self.cached_input_price)
+            + cost(self.captured + self.overrun, self.output_price)
+        )
 
     def _release_rest(self) -> None:
         self.released += self.remaining

@@ -349,6 +349,7 @@ class UsageView(_LifecycleView):
             output_tokens=body["outputTokens"],
             input_tokens=body.get("inputTokens"),
             final=body["final"],
+            cached_input_tokens=body.get("cachedInputTokens"),
         )
         _, applied = lifecycle.record_usage(
             reservation_id=rid,

@@ -375,9 +375,13 @@ def capture(
     output_tokens: int,
     input_tokens: int | None,
     final: bool,
+    cached_input_tokens: int | None = None,
 ) -> UsageEvent:
-    """Capture one usage delta (the event row is written with the postings)."""
+    """Capture one usage delta (the event row is written with the postings). ``cached_input_tokens``, the
+    part of the input the provider read from its cache, prices that part at the cached-input price."""
     reservation = posts.reservation
+    if cached_input_tokens is not None:
+        reservation.input_cached = cached_input_tokens
     if (
         input_tokens is not None
         and reservation.input_reported is not None
@@ -460,25 +464,31 @@ def settle(
         )
 
 
-def posted_spend(reservation: Reservation) -> int:
-    """What the reservation's consumed tokens cost at the prices frozen on it: uncached input, cached input
-    (as far as the provider reported it) and output with overrun, each rounded up to a micro-unit."""
+def top_up_cost(reservation: Reservation, output_tokens: int) -> int:
+    """The money a top-up of ``output_tokens`` holds: the output hold's cost after it, less before it."""
     if not reservation.currency:
         return 0
-    cached = min(reservation.input_cached, reservation.input_consumed)
-    return (
-        cost(reservation.input_consumed - cached, reservation.input_price)
-        + cost(cached, reservation.cached_input_price)
-        + cost(reservation.captured + reservation.overrun, reservation.output_price)
-    )
+    held = reservation.output_reserved + reservation.top_ups
+    price = reservation.output_price
+    return cost(held + output_tokens, price) - cost(held, price)
+
+
+def hold_top_up(reservation: Reservation, output_tokens: int) -> int:
+    """Add a top-up to the reservation's output and money holds; returns the money it holds."""
+    money = top_up_cost(reservation, output_tokens)
+    reservation.top_ups += output_tokens
+    reservation.remaining += output_tokens
+    reservation.spend_reserved += money
+    reservation.spend_remaining += money
+    return money
 
 
 def _post_spend(posts: Postings) -> None:
     """Bring the money posted for the reservation to what its consumed tokens cost: an increase is taken
     from its money hold (beyond it, an overrun), a decrease (refund, downward correction) comes off the
-    overrun first, then what was captured, which is then released."""
+    overrun first, then what was captured, which is held again (released once settled)."""
     reservation = posts.reservation
-    delta = posted_spend(reservation) - reservation.spend_captured - reservation.spend_overrun
+    delta = reservation.consumed_cost() - reservation.spend_captured - reservation.spend_overrun
     if delta > 0:
         take = min(delta, reservation.spend_remaining)
         reservation.spend_captured += take
@@ -487,10 +497,15 @@ def _post_spend(posts: Postings) -> None:
         posts.move(EntryKind.POST, spend_reserved=-take, spend_consumed=delta, reason="spend posted")
     elif delta < 0:
         from_overrun = min(-delta, reservation.spend_overrun)
+        from_captured = -delta - from_overrun
         reservation.spend_overrun -= from_overrun
-        reservation.spend_captured -= -delta - from_overrun
-        reservation.spend_released += -delta - from_overrun
-        posts.move(EntryKind.CORRECTION, spend_consumed=delta, reason="spend corrected")
+        reservation.spend_captured -= from_captured
+        # As tokens taken back go back to ``remaining`` while the call may still use them: money held again
+        # until settlement, released once it is settled.
+        back = from_captured if reservation.settled_at is None else 0
+        reservation.spend_remaining += back
+        reservation.spend_released += from_captured - back
+        posts.move(EntryKind.CORRECTION, spend_reserved=back, spend_consumed=delta, reason="spend corrected")
 
 
 def post_to_account(
