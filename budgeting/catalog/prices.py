@@ -82,6 +82,16 @@ def price_in_force(prices: list[FrozenPriceAt], at: datetime) -> FrozenPrice | N
     return chosen
 
 
+def price_at(model_revision: ModelRevision, at: datetime) -> FrozenPrice | None:
+    """The model revision's price in force at ``at``, read from the database (admission reads the snapshot)."""
+    price = (
+        Price.objects.filter(model_revision=model_revision, effective_from__lte=at)
+        .order_by("-effective_from")
+        .first()
+    )
+    return None if price is None else FrozenPrice.of(price)
+
+
 def add_price(
     *,
     model_revision: ModelRevision,
@@ -96,7 +106,8 @@ def add_price(
     now: datetime,
 ) -> Price:
     """A new price version of a model revision, effective from ``effective_from`` (``now`` or later), with
-    its change-log entry. Prices are never edited: a correction is a new version from now on.
+    its change-log entry, in one transaction (joined when the caller has one: the admin saves inside its
+    own). Prices are never edited: a correction is a new version from now on.
 
     Raises InvalidChange for a start in the past, a missing reason or an amount finer than a micro-unit.
     """
@@ -111,7 +122,7 @@ def add_price(
             if amount < 0:
                 raise InvalidChange("a price cannot be negative")
             to_micro(amount)
-    with transaction.atomic(durable=True):
+    with transaction.atomic():
         price = Price.objects.create(
             model_revision=model_revision,
             currency=currency,
