@@ -320,6 +320,7 @@ def reservation_body(reservation: Reservation, extra: dict[str, Any]) -> dict[st
             "expiresAt": reservation.lease_expires_at.isoformat() if reservation.lease_expires_at else None,
         },
         "manifestId": reservation.manifest_id,
+        **({"providerRequestId": reservation.provider_request_id} if reservation.provider_request_id else {}),
     }
 
 
@@ -413,6 +414,7 @@ def _admit(
         queue=r.queue_allowed,
         queue_deadline_seconds=r.queue_deadline_seconds,
         request_body={"decisionBody": body},
+        provider_request_id=request.provider_request_id or "",
         price=caller.snapshot.price(_model_used(ctx, decision), caller.db_now),
     )
     try:

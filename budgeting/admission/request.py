@@ -31,12 +31,15 @@ class AdmissionRequest:
     prompt_bundle_digest: str | None = None
     policy_revision: int | None = None
     client_estimate: ClientEstimate | None = None
+    provider_request_id: str | None = None
+    """``dispatch.providerRequestId``: admit and record the dispatch in one call."""
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> AdmissionRequest:
         """From the camelCase body (already validated by the API, or stored in a manifest).
         Raises MalformedRequest when a field is missing or of the wrong type."""
         estimate = data.get("clientEstimate")
+        dispatch = data.get("dispatch")
         request = cls(
             request_id=_str(data, "requestId"),
             tenant_id=_str(data, "tenantId"),
@@ -51,6 +54,9 @@ class AdmissionRequest:
             client_estimate=None
             if estimate is None
             else ClientEstimate(_int(_mapping(data, "clientEstimate"), "inputTokens")),
+            provider_request_id=None
+            if dispatch is None
+            else _str(_mapping(data, "dispatch"), "providerRequestId"),
         )
         if request.max_output < 1:
             raise MalformedRequest("maxOutput must be at least 1")
@@ -58,13 +64,17 @@ class AdmissionRequest:
 
     def fingerprint_fields(self) -> dict[str, object]:
         """The envelope fields an Idempotency-Key is bound to besides the payload (a retry repeats them)."""
-        return {
+        fields: dict[str, object] = {
             "requestId": self.request_id,
             "taskClass": self.task_class,
             "modelPool": self.model_pool,
             "modelRevision": self.model_revision,
             "maxOutput": self.max_output,
         }
+        if self.provider_request_id is not None:
+            # Only when given, so the digests of admissions without it stay what they were.
+            fields["dispatch"] = {"providerRequestId": self.provider_request_id}
+        return fields
 
 
 def _str(data: Mapping[str, Any], name: str) -> str:

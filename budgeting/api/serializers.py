@@ -120,6 +120,12 @@ class ClientEstimateIn(StrictSerializer):
     inputTokens = tokens()
 
 
+class DispatchAtAdmissionIn(StrictSerializer):
+    providerRequestId = identifier(
+        help_text="the id the gateway will send the provider call under (unique per tenant)"
+    )
+
+
 class AdmissionIn(StrictSerializer):
     """The envelope; ``components`` is validated by the pure ``ladder.components`` parser."""
 
@@ -135,6 +141,13 @@ class AdmissionIn(StrictSerializer):
     maxOutput = StrictInteger(min_value=1, max_value=MAX_TOKENS)
     clientEstimate = ClientEstimateIn(required=False)
     estimatorRevision = StrictString(max_length=100, required=False)
+    dispatch = DispatchAtAdmissionIn(
+        required=False,
+        help_text="admit and record the dispatch in one call: a 201 answers state DISPATCHED (input posted "
+        "as consumed); send the payload under this providerRequestId next, then report usage, or /fail "
+        "with requestSent false if it was never sent. A queued (202) admission is not dispatched: call "
+        "/dispatch once it is admitted.",
+    )
 
 
 # Output serializers: the views answer dicts built by the services; these classes only describe those bodies
@@ -251,6 +264,9 @@ class AdmittedOut(DecisionOut):
     reserved = ReservedOut()
     lease = LeaseOut()
     manifestId = serializers.IntegerField(allow_null=True)
+    providerRequestId = serializers.CharField(
+        required=False, help_text="with `dispatch`: the dispatch is recorded (state DISPATCHED)"
+    )
 
 
 class ProblemOut(serializers.Serializer):

@@ -12,6 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
+from budgeting.catalog.errors import Conflict
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from budgeting.catalog.prices import FrozenPrice
 from ledger import locks
@@ -53,6 +54,9 @@ class AdmissionSpec:
     queue: bool = False
     queue_deadline_seconds: int = 60
     request_body: dict[str, Any] | None = None
+    provider_request_id: str = ""
+    """When set, the admission also records the dispatch under this id (SPEC §5's dispatch, in the same
+    statement): the gateway sends the admitted payload next, with no call to us in between."""
     price: FrozenPrice | None = None
     """The model revision's price in force at admission (the fallback model's for SMALLER_MODEL)."""
 
@@ -116,6 +120,21 @@ def _new_reservation(
     )
 
 
+PROVIDER_ID_CONSTRAINT = "reservation_unique_provider_request_id_per_tenant"
+
+
+def _constraint(error: IntegrityError) -> str | None:
+    return getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
+
+
+def provider_request_id_in_use(provider_request_id: str) -> Conflict:
+    """The tenant already has a call with this providerRequestId (another tenant's ids are never seen)."""
+    return Conflict(
+        f"providerRequestId {provider_request_id!r} already names another call of this tenant",
+        code="PROVIDER_REQUEST_ID_IN_USE",
+    )
+
+
 def _replay_of(spec: AdmissionSpec, error: IntegrityError) -> Admitted:
     """After an insert was refused: the earlier reservation for this key (or its conflict); any other
     integrity error is raised again."""
@@ -159,10 +178,12 @@ def reserve(
     Money is held with the tokens, at ``spec.price`` (frozen on the reservation), on the accounts kept in
     its currency.
 
-    Returns the new reservation (RESERVED), or a PROPOSED one when capacity is short and the task class
-    queues, or the earlier reservation for the same idempotency key (replayed=True, nothing written).
-    Raises QuotaExceeded (nothing written), PriceUnavailable, IdempotencyConflict, or Contention after
-    repeated deadlocks.
+    Returns the new reservation (RESERVED, or DISPATCHED with ``spec.provider_request_id``), or a PROPOSED
+    one when capacity is short and the task class queues (not dispatched: the gateway dispatches once the
+    queue admits it), or the earlier reservation for the same idempotency key (replayed=True, nothing
+    written).
+    Raises QuotaExceeded (nothing written), PriceUnavailable, IdempotencyConflict, Conflict
+    PROVIDER_REQUEST_ID_IN_USE, or Contention after repeated deadlocks.
     """
     # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
     # common path of a new key one query shorter.
@@ -185,6 +206,14 @@ def reserve(
             concurrency_held=True,
             lease_expires_at=clock + timedelta(seconds=settings.LEASE_SECONDS),
         )
+        if spec.provider_request_id:
+            # The adapter and endpoint the pool names now, as a dispatch records them: only a lookup there can
+            # vouch for the call later. The gateway sends only after this statement committed, so a
+            # reservation that may have been sent always has its dispatch record.
+            reservation.dispatch(spec.provider_request_id)
+            reservation.dispatched_at = clock
+            reservation.provider_adapter = spec.pool.adapter
+            reservation.provider_endpoint = spec.pool.provider_base_url
         reservation.response_body = build_body(reservation)
         try:
             record_id = hold_new_reservation(
@@ -201,7 +230,12 @@ def reserve(
     try:
         return Admitted(with_retries(attempt), replayed=False)
     except IntegrityError as error:
-        return _replay_of(spec, error)
+        try:
+            return _replay_of(spec, error)
+        except IntegrityError:
+            if _constraint(error) != PROVIDER_ID_CONSTRAINT:
+                raise
+            raise provider_request_id_in_use(spec.provider_request_id) from None
     except ShortageSignal as signal:
         problem = shortage(
             signal.account,

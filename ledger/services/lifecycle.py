@@ -30,6 +30,7 @@ from ledger.models import (
     UsageEvent,
 )
 from ledger.services.accounts import ShortageSignal, shortage
+from ledger.services.admission import PROVIDER_ID_CONSTRAINT, provider_request_id_in_use
 from ledger.services.postings import (
     Postings,
     capture,
@@ -115,12 +116,9 @@ def dispatch(
         return with_retries(attempt)
     except IntegrityError as error:
         constraint = getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
-        if constraint != "reservation_unique_provider_request_id_per_tenant":
+        if constraint != PROVIDER_ID_CONSTRAINT:
             raise
-        raise Conflict(
-            f"providerRequestId {provider_request_id!r} already names another call of this tenant",
-            code="PROVIDER_REQUEST_ID_IN_USE",
-        ) from None
+        raise provider_request_id_in_use(provider_request_id) from None
 
 
 class _AlreadyDone(Exception):

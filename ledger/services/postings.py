@@ -28,6 +28,7 @@ from ledger.models import (
     Hold,
     LedgerEntry,
     Reservation,
+    State,
     UsageEvent,
 )
 
@@ -556,7 +557,8 @@ _WITHIN_LIMITS = """
 # holds, the entries and the commit only, and a replayed Idempotency-Key fails before taking any lock.
 _HOLD_SQL = (
     """
-    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid, %s::bigint AS s, %s::text AS c)
+    , m AS (SELECT %s::bigint AS i, %s::bigint AS o, %s::uuid AS rid, %s::bigint AS c, %s::text AS why,
+                   %s::bigint AS s, %s::bigint AS sc, %s::text AS cur)
     , ordered AS (
         SELECT id FROM ledger_capacityaccount
          WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM new_reservation)
@@ -564,23 +566,26 @@ _HOLD_SQL = (
     , held AS (
         UPDATE ledger_capacityaccount AS a
            SET input_reserved = a.input_reserved + m.i,
+               input_consumed = a.input_consumed + m.c,
                output_reserved = a.output_reserved + m.o,
                in_flight = a.in_flight + 1,
-               spend_reserved = a.spend_reserved + m.s * (a.currency = m.c)::int
+               spend_reserved = a.spend_reserved + m.s * (a.currency = m.cur)::int,
+               spend_consumed = a.spend_consumed + m.sc * (a.currency = m.cur)::int
           FROM ordered, m
          WHERE a.id = ordered.id AND """
-    + _WITHIN_LIMITS.replace("%(i)s", "m.i")
+    + _WITHIN_LIMITS.replace("%(i)s", "(m.i + m.c)")
     .replace("%(o)s", "m.o")
-    .replace("%(s)s", "m.s")
-    .replace("%(c)s", "m.c")
+    .replace("%(s)s", "(m.s + m.sc)")
+    .replace("%(c)s", "m.cur")
     + """
-        RETURNING a.id, a.period_start, m.s * (a.currency = m.c)::int AS s)
+        RETURNING a.id, a.period_start, (a.currency = m.cur)::int AS money)
     , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
     , entries AS (
         INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
             input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
             created_by, created_at)
-        SELECT held.id, m.rid, 'HOLD', m.i, m.o, 0, 0, 1, held.s, 0, held.period_start, '', '', now()
+        SELECT held.id, m.rid, 'HOLD', m.i, m.o, m.c, 0, 1, m.s * held.money, m.sc * held.money,
+               held.period_start, m.why, '', now()
           FROM held, m)
     SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held
     """
@@ -600,15 +605,22 @@ def hold_new_reservation(
 ) -> int | None:
     """Insert a new reservation and hold its input, output, money (``spend_reserved``, on the accounts kept
     in its currency) and one concurrency slot on every account, each conditional on the account's limits (an
-    account with a spend limit refuses a reservation without a price in its currency), with its holds and one HOLD entry per account: ONE statement, a
-    transaction of its own (no BEGIN and COMMIT round trips). With ``record``, the same statement inserts the
-    caller's record first and the reservation references it; returns the record's id.
+    account with a spend limit refuses a reservation without a price in its currency), with its holds and
+    one HOLD entry per account: ONE statement, a transaction of its own (no BEGIN and COMMIT round trips).
+    With ``record``, the same statement inserts the caller's record first and the reservation references
+    it; returns the record's id.
 
     All or nothing: when an account refuses the hold, ``ledger_require_holds`` (migration ledger 0009) fails
     the statement, nothing is written, and HoldRefused names the refusing accounts. Accounts are locked in
     ascending id order (the canonical order); the reservation row is new, so nothing else can be waiting on
-    it. Raises IntegrityError for an Idempotency-Key already used.
+    it. A reservation already DISPATCHED (its admission recorded the dispatch) posts its input as consumed
+    instead of holding it, within the same limits. Raises IntegrityError for an Idempotency-Key (or a
+    providerRequestId of the tenant) already used.
     """
+    if reservation.state == State.DISPATCHED:
+        # Its input's money is posted with the input: out of the money hold, in the same statement.
+        reservation.spend_captured = min(reservation.consumed_cost(), reservation.spend_remaining)
+        reservation.spend_remaining -= reservation.spend_captured
     if record is None:
         insert_sql, insert_params = _insert_sql(reservation)
         prefix, prefix_params, record_id = "WITH ", [], "NULL::bigint"
@@ -620,11 +632,19 @@ def hold_new_reservation(
             "(SELECT id FROM record)",
         )
     wanted = sorted(account_ids)
+    # A reservation dispatched by its admission posts its input as consumed at once (its HOLD entry says so).
+    if reservation.state == State.DISPATCHED:
+        held_input, posted_input, reason = 0, reservation.input_consumed, "dispatched at admission"
+    else:
+        held_input, posted_input, reason = reservation.input_reserved, 0, ""
     amounts: list[Any] = [
-        reservation.input_reserved,
+        held_input,
         reservation.output_reserved,
         reservation.pk,
-        reservation.spend_reserved,
+        posted_input,
+        reason,
+        reservation.spend_remaining,
+        reservation.spend_captured,
         reservation.currency,
         wanted,
     ]
