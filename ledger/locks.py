@@ -125,7 +125,14 @@ def reserve_on_accounts(
                     AND a.spend_reserved + a.spend_consumed + %(s)s <= a.spend_limit))
             RETURNING a.id
             """,
-            {"ids": ids, "i": input_tokens, "o": output_tokens, "c": concurrency, "s": spend, "cur": currency},
+            {
+                "ids": ids,
+                "i": input_tokens,
+                "o": output_tokens,
+                "c": concurrency,
+                "s": spend,
+                "cur": currency,
+            },
         )
         held = {row[0] for row in cursor.fetchall()}
     return next((account_id for account_id in ids if account_id not in held), None)

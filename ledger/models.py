@@ -106,7 +106,8 @@ class CapacityAccount(models.Model):
                 name="account_limits_non_negative",
             ),
             models.CheckConstraint(
-                condition=Q(spend_limit__isnull=True) | Q(spend_limit__gte=0), name="account_spend_limit_non_negative"
+                condition=Q(spend_limit__isnull=True) | Q(spend_limit__gte=0),
+                name="account_spend_limit_non_negative",
             ),
             models.CheckConstraint(condition=Q(currency__regex=r"^[A-Z]{3}$"), name="account_currency_iso"),
         ]
@@ -198,7 +199,9 @@ class Reservation(FSMModelMixin, models.Model):
     input_price = models.BigIntegerField(default=0)
     cached_input_price = models.BigIntegerField(default=0)
     output_price = models.BigIntegerField(default=0)
-    input_cached = models.BigIntegerField(default=0, help_text="Input tokens the provider reported as cached.")
+    input_cached = models.BigIntegerField(
+        default=0, help_text="Input tokens the provider reported as cached."
+    )
     spend_reserved = models.BigIntegerField(default=0, help_text="Held at admission and by top-ups.")
     spend_captured = models.BigIntegerField(default=0, help_text="Posted out of the hold.")
     spend_remaining = models.BigIntegerField(default=0, help_text="Still held.")

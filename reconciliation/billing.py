@@ -295,7 +295,6 @@ def _settle(
                 record.input_tokens,
                 record.output_tokens,
                 source=f"billing import {billing_import.pk}",
-                cached_input_tokens=record.cached_input_tokens,
             )
             if settlement.settle_from_evidence(
                 reservation_id=reservation.pk, fence=None, evidence=evidence, now=now

@@ -2,8 +2,8 @@
 new price.
 
 Money is stored in integer micro-units of its currency (1 USD = 1,000,000): ``BIGINT`` columns, ``int`` in
-Python, ``Decimal`` only where a person reads or types it. A price per million tokens is kept by the catalog as
-exact ``NUMERIC(14, 6)`` text, so in micro-units per million tokens it is an integer. The cost of ``n`` tokens
+Python, ``Decimal`` only where a person reads or types it. A price per million tokens is kept by the catalog
+as exact ``NUMERIC(14, 6)``, so in micro-units per million tokens it is an integer. The cost of ``n`` tokens
 is ``ceil(n × price / 1,000,000)`` micro-units: never below the provider's figure, and monotonic, so what is
 posted never exceeds what was held for the same tokens.
 """
@@ -25,7 +25,8 @@ MICRO = 1_000_000
 
 
 def to_micro(amount: Decimal) -> int:
-    """A money amount (or a price per million tokens) in micro-units. Raises InvalidChange below a micro-unit."""
+    """A money amount (or a price per million tokens) in micro-units. Raises InvalidChange for a fraction
+    of a micro-unit."""
     micro = amount * MICRO
     if micro != micro.to_integral_value():
         raise InvalidChange(f"{amount} has more than 6 decimal places")
@@ -38,7 +39,7 @@ def from_micro(micro: int) -> Decimal:
 
 
 def cost(tokens: int, per_million: int) -> int:
-    """The cost of ``tokens`` at ``per_million`` micro-units per million tokens, rounded up to a micro-unit."""
+    """The cost of ``tokens`` at ``per_million`` micro-units per million tokens, rounded up."""
     return -(-tokens * per_million // MICRO)
 
 
@@ -83,7 +84,7 @@ def price_in_force(prices: list[FrozenPriceAt], at: datetime) -> FrozenPrice | N
 
 
 def price_at(model_revision: ModelRevision, at: datetime) -> FrozenPrice | None:
-    """The model revision's price in force at ``at``, read from the database (admission reads the snapshot)."""
+    """The model revision's price in force at ``at``, from the database (admission reads the snapshot)."""
     price = (
         Price.objects.filter(model_revision=model_revision, effective_from__lte=at)
         .order_by("-effective_from")

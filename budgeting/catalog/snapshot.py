@@ -22,7 +22,6 @@ from django.conf import settings
 from django.db import InterfaceError, OperationalError
 
 from budgeting.catalog.errors import NotFound, Unavailable
-from budgeting.catalog.prices import FrozenPrice, FrozenPriceAt, price_in_force
 from budgeting.catalog.models import (
     ApiToken,
     ModelPool,
@@ -34,6 +33,7 @@ from budgeting.catalog.models import (
     Tenant,
     Tokenizer,
 )
+from budgeting.catalog.prices import FrozenPrice, FrozenPriceAt, price_in_force
 from budgeting.catalog.tokens import note_use
 from budgeting.db import prepared_cursor, this_connection
 from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule

@@ -34,11 +34,10 @@ from budgeting.catalog.models import (
     hash_token,
 )
 from budgeting.catalog.policies import document_errors
-from budgeting.catalog.tokenizer_assets import sha256_file
-from budgeting.provisioning.prices import read_prices
-from budgeting.provisioning.source import ProvisioningError, Reader, items
 from budgeting.catalog.prices import to_micro
-from budgeting.provisioning.prices import CURRENCY, money_amount
+from budgeting.catalog.tokenizer_assets import sha256_file
+from budgeting.provisioning.prices import CURRENCY, money_amount, read_prices
+from budgeting.provisioning.source import ProvisioningError, Reader, items
 from budgeting.provisioning.wanted import Wanted, known, wanted
 from ladder.counting import upper_bound_rule
 from ledger.models import CapacityAccount, Period, Scope
@@ -66,7 +65,9 @@ def _spend_limit(r: Reader) -> list[tuple[str, str, Any]]:
     kept in micro-units; absent means no money limit."""
     currency = r.get("currency", str, "USD")
     if not CURRENCY.fullmatch(currency):
-        raise ProvisioningError(f"{r.path}.currency", f"must be a three-letter ISO code, e.g. USD, got {currency!r}")
+        raise ProvisioningError(
+            f"{r.path}.currency", f"must be a three-letter ISO code, e.g. USD, got {currency!r}"
+        )
     limit = None
     if r.data.get("spendLimit") is not None:
         amount = money_amount(r, "spendLimit")

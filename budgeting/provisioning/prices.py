@@ -105,7 +105,9 @@ def money_amount(r: Reader, key: str) -> Decimal:
     value = r.get(key, object, required=True)
     amount = _decimal(value)
     if amount is None or not amount.is_finite() or amount < 0:
-        raise ProvisioningError(f"{r.path}.{key}", f'must be an amount of 0 or more, e.g. "5000", got {value!r}')
+        raise ProvisioningError(
+            f"{r.path}.{key}", f'must be an amount of 0 or more, e.g. "5000", got {value!r}'
+        )
     if amount != amount.quantize(Decimal("0.000001")):
         raise ProvisioningError(f"{r.path}.{key}", "has more than 6 decimal places")
     return amount

@@ -10,7 +10,6 @@ import django.db.models.deletion
 import django.db.models.expressions
 from django.db import migrations, models
 
-
 PRICE_HISTORY = """
 CREATE OR REPLACE FUNCTION ledger_price_history_kept() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

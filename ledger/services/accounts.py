@@ -12,8 +12,8 @@ from django.db import connection, transaction
 from django.db.models import Q
 
 from budgeting.catalog.models import ModelPool, TaskClass, Tenant
-from ledger import locks
 from budgeting.catalog.prices import from_micro
+from ledger import locks
 from ledger.errors import (
     PriceUnavailable,
     QuotaExceeded,

@@ -353,7 +353,11 @@ def held_account_ids(reservation: Reservation) -> list[int]:
 
 
 def write_entries(
-    reservation: Reservation, accounts: Iterable[CapacityAccount], kind: str, spend_reserved: int = 0, **deltas: int
+    reservation: Reservation,
+    accounts: Iterable[CapacityAccount],
+    kind: str,
+    spend_reserved: int = 0,
+    **deltas: int,
 ) -> None:
     """One entry per account; the money only on the accounts kept in the reservation's currency."""
     LedgerEntry.objects.bulk_create(

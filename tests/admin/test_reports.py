@@ -174,9 +174,7 @@ def test_a_used_price_cannot_be_rewritten_or_back_dated(users, scenario):
 
 
 def test_requests_without_a_price_are_reported_not_costed(users, scenario):
-    Reservation.objects.update(
-        price=None, currency="", input_price=0, output_price=0, cached_input_price=0
-    )
+    Reservation.objects.update(price=None, currency="", input_price=0, output_price=0, cached_input_price=0)
     body = login("analyst").get(URL, {"from": today(), "to": today()}).json()
     assert body["totals"]["cost"] == {}
     assert body["totals"]["unpricedRequests"] == 5

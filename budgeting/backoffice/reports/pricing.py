@@ -21,10 +21,10 @@ from django.db.models.functions import Least, TruncDate
 from budgeting.backoffice.reports.query import ReportQuery
 from budgeting.backoffice.reports.selectors import reservations
 from budgeting.catalog.prices import MICRO, from_micro
+from ledger.models import State
 
 MILLION = Decimal(MICRO)
 COST_QUANTUM = Decimal("0.000001")
-from ledger.models import State
 
 
 @dataclass(frozen=True)
