@@ -129,6 +129,22 @@ class Postings:
             note = " (part of the decrease belongs to a closed period)" if closed else ""
             self.moves.append(_Move(kind, (reason + note)[:300], {account_id: applied}))
 
+    def add_spend(self, kind: str, *, spend_reserved: int, spend_consumed: int, reason: str) -> None:
+        """Money moved by the tokens of the last move: written in that move's entries when it is of the same
+        kind and moves every account alike (one entry says what the tokens and their money did), else as a
+        move of its own. ``spend_consumed`` is not negative (a decrease goes through ``move``)."""
+        last = self.moves[-1] if self.moves else None
+        alike = (
+            last is not None
+            and set(last.deltas) == set(self.account_ids)
+            and len(set(last.deltas.values())) == 1
+        )
+        if last is not None and last.kind == kind and alike:
+            for account_id, (ir, orr, ic, oc, fl, sr, sc) in last.deltas.items():
+                last.deltas[account_id] = (ir, orr, ic, oc, fl, sr + spend_reserved, sc + spend_consumed)
+            return
+        self.move(kind, spend_reserved=spend_reserved, spend_consumed=spend_consumed, reason=reason)
+
     def insert(self, row: models.Model) -> None:
         """A new row written by the same statement (a usage event, a top-up)."""
         self.inserts.append(row)
@@ -499,7 +515,7 @@ def _post_spend(posts: Postings) -> None:
         reservation.spend_captured += take
         reservation.spend_remaining -= take
         reservation.spend_overrun += delta - take
-        posts.move(EntryKind.POST, spend_reserved=-take, spend_consumed=delta, reason="spend posted")
+        posts.add_spend(EntryKind.POST, spend_reserved=-take, spend_consumed=delta, reason="spend posted")
     elif delta < 0:
         from_overrun = min(-delta, reservation.spend_overrun)
         from_captured = -delta - from_overrun
