@@ -21,7 +21,17 @@ from typing import Literal, Protocol
 from tokenizers import Tokenizer
 
 from ladder.components import canonical_digest
-from ladder.templates import TEMPLATE_BUCKET, TEMPLATE_OBJECT, Image, Piece, Special, check_boundaries
+from ladder.templates import (
+    TEMPLATE_BUCKET,
+    TEMPLATE_OBJECT,
+    Bound,
+    Cut,
+    Image,
+    Piece,
+    Special,
+    Text,
+    check_boundaries,
+)
 
 CountMethod = Literal["EXACT", "UPPER_BOUND"]
 ImageFormula = Literal["tiles512", "pixels750"]
@@ -157,6 +167,14 @@ class TokenizerCounter:
                 f"tokenizer file {file} has digest {digest}, expected {expected_digest}"
             )
         return cls(tokenizer, digest)
+
+    def encode(self, text: str) -> list[int]:
+        """Return the token ids of ``text`` (special-token spellings in it are plain text)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def special_id(self, token: str) -> int | None:
+        """Return the id of an added token of this tokenizer, or None."""
+        return self.tokenizer.token_to_id(token)
 
     def count_many(self, texts: Sequence[str]) -> list[int]:
         """Return the exact token count of each text (one batch call into the tokenizer)."""
@@ -299,7 +317,7 @@ def count_stream(
     unique: list[str] = []
     asked: set[str] = set()
     for piece in pieces:
-        if isinstance(piece, Special | Image):
+        if not isinstance(piece, Text):
             continue
         text = piece.text
         if text not in texts and text not in asked:
@@ -325,12 +343,19 @@ def count_stream(
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}
     specials = 0
+    method = counter.method
     for piece in pieces:
         if isinstance(piece, Special):
             specials += 1
             continue
+        if isinstance(piece, Cut):
+            continue
         if isinstance(piece, Image):
             tokens = image_tokens(piece.width, piece.height, image_formula)
+        elif isinstance(piece, Bound):
+            # Every token of a byte-level BPE covers at least one byte (see Bound).
+            tokens = len(piece.text.encode("utf-8"))
+            method = "UPPER_BOUND"
         else:
             tokens = texts[piece.text]
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
@@ -338,7 +363,7 @@ def count_stream(
     per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials
     per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + specials
     total = sum(per_bucket.values())
-    return Count(total, per_bucket, per_object, counter.method, specials)
+    return Count(total, per_bucket, per_object, method, specials)
 
 
 def rendered_digest(payload: object) -> str:

@@ -11,12 +11,13 @@ goes into every count cache key: changing a template's text means a new revision
 from __future__ import annotations
 
 import itertools
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ladder.components import Components, ImagePart, ToolCall
+from ladder.components import Components, ImagePart, TextPart, ToolCall
 from ladder.messages import Message, RenderMemo, Segment, TemplateError, build_payload, messages
 
 TEMPLATE_BUCKET = "template"
@@ -49,7 +50,31 @@ class Image:
     height: int
 
 
-Piece: TypeAlias = Special | Text | Image
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """No token: a place where the vendor's own code encodes the text on each side separately.
+
+    Meta's ChatFormat encodes a header's ``\n\n`` and each content part on its own, and OpenAI's published
+    framing counts each value of a message on its own, so texts on either side of a cut never merge: their
+    counts add exactly, as across a special token.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """Text whose framing the vendor does not publish, counted by a proven upper bound, never exactly.
+
+    A stream holding one is counted ``UPPER_BOUND``: its text costs its UTF-8 bytes (every token of a
+    byte-level BPE covers at least one byte), and the template adds its allowance for the hidden framing as
+    specials.
+    """
+
+    bucket: str
+    object_id: str
+    text: str
+
+
+Piece: TypeAlias = Special | Cut | Text | Bound | Image
 
 
 def _piece(message: Message, segment: Segment) -> Piece | None:
@@ -61,23 +86,27 @@ def _piece(message: Message, segment: Segment) -> Piece | None:
 
 
 def check_boundaries(pieces: Sequence[Piece]) -> None:
-    """Check the counting rule: the stream starts and ends with a special, and no two non-specials touch.
+    """Check the counting rule: the stream starts with a special and ends with a special or a cut, and no two
+    other pieces touch (a special or a cut separates them).
 
     Raises TemplateError when the rule is broken (a template bug: counts would no longer add up).
     """
-    if not pieces or not isinstance(pieces[0], Special) or not isinstance(pieces[-1], Special):
-        raise TemplateError("a stream must start and end with a special token")
+    if not pieces or not isinstance(pieces[0], Special) or not isinstance(pieces[-1], Special | Cut):
+        raise TemplateError("a stream must start with a special token and end with a special token or a cut")
     for left, right in itertools.pairwise(pieces):
-        if not isinstance(left, Special) and not isinstance(right, Special):
+        if not isinstance(left, Special | Cut) and not isinstance(right, Special | Cut):
             raise TemplateError(f"adjacent non-special pieces: {left!r} / {right!r}")
 
 
 def stream_text(pieces: Sequence[Piece]) -> str:
-    """Concatenate the stream as the tokenizer would see it (images, which are not text, are left out)."""
+    """Concatenate the stream as the tokenizer would see it (images, which are not text, are left out).
+
+    Only meaningful for a stream without cuts: across a cut the vendor encodes each side on its own.
+    """
     return "".join(
         piece.token if isinstance(piece, Special) else piece.text
         for piece in pieces
-        if not isinstance(piece, Image)
+        if isinstance(piece, Special | Text | Bound)
     )
 
 
@@ -247,9 +276,175 @@ class MetaTemplate(ChatTemplate):
         yield from self._header("assistant")
 
 
+def _content_text(message: Message) -> str | None:
+    """The message's content as the one string the OpenAI payload sends, or None when it holds an image."""
+    if any(isinstance(segment.part, ImagePart) for segment in message.segments):
+        return None
+    return "".join(segment.part.text for segment in message.segments if isinstance(segment.part, TextPart))
+
+
+class OpenAITemplate(ChatTemplate):
+    """OpenAI chat models (``o200k_base``/``cl100k_base``), framed as OpenAI publishes it.
+
+    OpenAI's published rule (the cookbook's ``num_tokens_from_messages``): each message costs 3 tokens plus
+    the tokens of each of its values, the role included (1 more for a name, which this platform never
+    sends), and 3 more prime the reply. The three framing tokens of a message are specials here, so the
+    role's and the content's tokens are counted on their own as the rule counts them. A text-only message is
+    sent with its content as one string, and counted as that string.
+
+    OpenAI does not publish how it frames tool definitions, the response format, tool calls or tool results.
+    Those are ``Bound`` pieces (UTF-8 bytes of the very JSON text, plus ``TOOL_ALLOWANCE`` framing tokens
+    each), so a request holding any of them is counted ``UPPER_BOUND``, never ``EXACT``. The allowance is not
+    a published figure: the bytes of a JSON text already exceed its tokens several times over, and the drift
+    status compares what the provider reports.
+    """
+
+    family = "openai"
+    revision = "openai/1"
+    START = "<|im_start|>"
+    SEP = "<|im_sep|>"
+    END = "<|im_end|>"
+    PRIME = "<|reply|>"
+    ALLOWANCE = "<|framing|>"
+    TOOL_ALLOWANCE = 8
+    specials = frozenset({START, SEP, END, PRIME, ALLOWANCE})
+
+    def payload(self, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
+        """The chat-completions payload, with each text-only message's content sent as one string."""
+        payload = build_payload(components, memo)
+        sent = [message for message in messages(components, memo) if message.in_payload]
+        entries = payload["messages"]
+        assert isinstance(entries, list) and len(entries) == len(sent)
+        for entry, message in zip(entries, sent, strict=True):
+            text = _content_text(message)
+            if text is not None and entry["content"] is not None:
+                entry["content"] = text
+        return payload
+
+    def _allowance(self) -> Iterator[Piece]:
+        for _ in range(self.TOOL_ALLOWANCE):
+            yield Special(self.ALLOWANCE)
+
+    def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
+        for message in message_list:
+            yield Special(self.START)
+            yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, message.role)
+            yield Special(self.SEP)
+            hidden = not message.in_payload or message.role == "tool"
+            text = _content_text(message)
+            if hidden:
+                for segment in message.segments:
+                    yield from self._bounded(message, segment)
+                if message.tool_call_id is not None:
+                    yield Bound(message.bucket, message.object_id, message.tool_call_id)
+                    yield Cut()
+            elif text is not None:
+                if text:
+                    yield Text(message.bucket, message.object_id, text)
+                    yield Cut()
+            else:
+                for segment in message.segments:
+                    piece = _piece(message, segment)
+                    if piece is not None:
+                        yield piece
+                        yield Cut()
+            for call in message.calls:
+                yield Bound(message.bucket, message.object_id, call.id + call.name + call.arguments)
+                yield Cut()
+                yield from self._allowance()
+            if hidden:
+                yield from self._allowance()
+            yield Special(self.END)
+        yield Special(self.PRIME)
+        yield Special(self.PRIME)
+        yield Special(self.PRIME)
+
+    @staticmethod
+    def _bounded(message: Message, segment: Segment) -> Iterator[Piece]:
+        part = segment.part
+        if isinstance(part, ImagePart):
+            yield Image(message.bucket, message.object_id, part.width, part.height)
+        elif part.text:
+            yield Bound(message.bucket, message.object_id, part.text)
+        yield Cut()
+
+
+class Llama3Template(ChatTemplate):
+    """Llama 3.x instruct, framed as Meta's ``llama_models.llama3.chat_format.ChatFormat`` frames a dialog.
+
+    ``<|begin_of_text|>``, then per message ``<|start_header_id|>role<|end_header_id|>`` and ``\n\n`` (a tool
+    result's role is ``ipython``), each content part encoded on its own (an image is one ``<|image|>``
+    token, as ChatFormat emits it; the vision encoder takes the pixels), each tool call as ChatFormat's JSON
+    tool-call text, ``<|eot_id|>``; and the assistant's header to prime the reply. Tool definitions are
+    system messages (the platform's rendering, as for every family).
+    """
+
+    family = "llama3"
+    revision = "llama3/1"
+    BOS = "<|begin_of_text|>"
+    START_HEADER = "<|start_header_id|>"
+    END_HEADER = "<|end_header_id|>"
+    EOT = "<|eot_id|>"
+    PYTHON_TAG = "<|python_tag|>"
+    IMAGE = "<|image|>"
+    specials = frozenset({BOS, START_HEADER, END_HEADER, EOT, PYTHON_TAG, IMAGE})
+    # Meta's built-in tools, which ChatFormat encodes in their own syntax rather than as JSON.
+    QUERY_TOOLS = ("brave_search", "wolfram_alpha", "photogen")
+    CODE_TOOL = "code_interpreter"
+
+    def _header(self, role: str) -> Iterator[Piece]:
+        yield Special(self.START_HEADER)
+        yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "ipython" if role == "tool" else role)
+        yield Special(self.END_HEADER)
+        yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "\n\n")
+        yield Cut()
+
+    def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
+        yield Special(self.BOS)
+        for message in message_list:
+            yield from self._header(message.role)
+            if message.calls and message.calls[0].name == self.CODE_TOOL:
+                yield Special(self.PYTHON_TAG)
+            for segment in message.segments:
+                part = segment.part
+                if isinstance(part, ImagePart):
+                    yield Special(self.IMAGE)
+                elif part.text:
+                    yield Text(message.bucket, message.object_id, part.text)
+                    yield Cut()
+            for call in message.calls:
+                yield Text(message.bucket, message.object_id, self.call_text(call))
+                yield Cut()
+            yield Special(self.EOT)
+        yield from self._header("assistant")
+
+    @classmethod
+    def call_text(cls, call: ToolCall) -> str:
+        """Return the text ChatFormat encodes for a tool call (its JSON tool-prompt format).
+
+        Arguments that parse as a JSON object are the call's parameters; any other text is passed as the
+        string it is. Raises TemplateError for a built-in tool call without the argument Meta's syntax needs.
+        """
+        try:
+            parsed = json.loads(call.arguments)
+        except ValueError:
+            parsed = None
+        arguments: object = parsed if isinstance(parsed, dict) else call.arguments
+        if call.name in cls.QUERY_TOOLS or call.name == cls.CODE_TOOL:
+            key = "code" if call.name == cls.CODE_TOOL else "query"
+            if not isinstance(arguments, dict) or key not in arguments:
+                raise TemplateError(f"a {call.name} tool call needs a {key!r} argument")
+            if call.name == cls.CODE_TOOL:
+                return str(arguments[key])
+            return f'{call.name}.call(query="{arguments[key]}")'
+        return json.dumps({"type": "function", "name": call.name, "parameters": arguments})
+
+
 _TEMPLATES: dict[str, ChatTemplate] = {
     DeepSeekTemplate.family: DeepSeekTemplate(),
     MetaTemplate.family: MetaTemplate(),
+    OpenAITemplate.family: OpenAITemplate(),
+    Llama3Template.family: Llama3Template(),
 }
 TEMPLATE_FAMILIES: tuple[str, ...] = tuple(sorted(_TEMPLATES))
 

@@ -15,7 +15,7 @@ Each comparison is a ``CostDrift`` row of the import; a difference is also a ``C
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
@@ -40,7 +40,6 @@ class _Tally:
     requests: int = 0
     billed: Decimal = Decimal(0)
     settled_micro: int = 0
-    reservations: set[object] = field(default_factory=set)
 
 
 def compare_request_costs(
@@ -69,12 +68,14 @@ def compare_request_costs(
             continue
         (reservation,) = matches
         assert record.cost is not None and record.currency is not None
-        keys = [(CostDimension.MODEL, reservation.model_revision.name, None)]
+        keys: list[tuple[str, str, int | None]] = [
+            (CostDimension.MODEL, reservation.model_revision.name, None)
+        ]
         keys += [
             (CostDimension.ACCOUNT, label, account_id) for account_id, label in held.get(reservation.pk, [])
         ]
-        for dimension, key, account_id in keys:
-            tally = tallies.setdefault((dimension, key, record.currency), _Tally(account_id))
+        for dimension, key, owner in keys:
+            tally = tallies.setdefault((dimension, key, record.currency), _Tally(owner))
             tally.requests += 1
             tally.billed += record.cost
             if reservation.currency == record.currency:

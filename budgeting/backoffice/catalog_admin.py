@@ -7,7 +7,6 @@ revoking a service client's tokens are buttons that open a confirmation page and
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -51,7 +50,7 @@ from budgeting.catalog.models import (
 from budgeting.catalog.prices import add_price
 from budgeting.catalog.tokenizer_assets import sha256_file
 from budgeting.provisioning.document import ENV_NAME
-from ladder.counting import upper_bound_rule
+from ladder.families import FAMILIES
 
 
 @admin.register(Tenant)
@@ -139,10 +138,13 @@ class TokenizerForm(AuditedForm):
         file = (folder / name).resolve()
         if file.parent != folder or not file.is_file():
             raise forms.ValidationError(f"no file {name!r} in {folder}")
+        family = FAMILIES.get(str(self.cleaned_data.get("family", "")))
+        if family is None:
+            raise forms.ValidationError("choose the tokenizer family first")
         try:
-            rule = upper_bound_rule(json.loads(file.read_bytes()))
+            rule = family.bound_rule(file.read_bytes())
         except ValueError:
-            raise forms.ValidationError(f"{name} is not a tokenizer JSON file") from None
+            raise forms.ValidationError(f"{name} is not a {family.name} tokenizer file") from None
         self.instance.digest = "sha256:" + sha256_file(file)
         self.instance.upper_bound_rule = rule or ""
         return name

@@ -8,10 +8,16 @@ import secrets
 from django.db import models
 from django.db.models import Q
 
+from ladder import families, templates
+
 CAPABILITIES = {"tools", "json_schema", "vision"}
 """What a model revision may declare it supports."""
-TEMPLATE_FAMILIES = {"deepseek", "meta"}
+TEMPLATE_FAMILIES = set(templates.TEMPLATE_FAMILIES)
 """The chat-template families ``ladder.templates`` renders."""
+TOKENIZER_FAMILY_CHOICES = [
+    (name, families.FAMILIES[name].description) for name in families.TOKENIZER_FAMILIES
+]
+"""The tokenizer families ``ladder.families`` can load (a new one is a migration of the choices)."""
 
 
 class RolloutMode(models.TextChoices):
@@ -122,7 +128,11 @@ class ModelPool(models.Model):
 
 class Tokenizer(models.Model):
     name = models.CharField(max_length=100, unique=True)
-    family = models.CharField(max_length=40, help_text="e.g. byte-level-bpe, byte-level-bpe-nfkc")
+    family = models.CharField(
+        max_length=40,
+        choices=TOKENIZER_FAMILY_CHOICES,
+        help_text="How the file is read and which chat templates may frame it (ladder/families.py).",
+    )
     source = models.CharField(max_length=300, help_text="Where the file came from (package and member).")
     file_name = models.CharField(max_length=200, help_text="File name under TOKENIZER_DIR.")
     digest = models.CharField(

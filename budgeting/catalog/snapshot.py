@@ -36,8 +36,9 @@ from budgeting.catalog.models import (
 from budgeting.catalog.prices import FrozenPrice, FrozenPriceAt, price_in_force
 from budgeting.catalog.tokens import note_use
 from budgeting.db import prepared_cursor, this_connection
-from ladder.counting import CountingUnavailable, TokenizerCounter, UpperBoundRule
+from ladder.counting import CountingUnavailable, SegmentCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
+from ladder.families import load_counter
 from ladder.policy import Policy, TaskPolicy, parse_policy
 from ladder.rungs import ModelSpec
 
@@ -138,7 +139,8 @@ class Snapshot:
     pools: dict[str, ModelPool]
     models: dict[str, ModelRevision]
     model_pools: dict[str, frozenset[int]]
-    tokenizer_files: dict[str, str]
+    tokenizer_files: dict[str, tuple[str, str]]
+    """The file name and tokenizer family of each provisioned digest."""
     policy: Policy | None
     global_cap_floor: int | None
     prices: dict[int, list[FrozenPriceAt]] = field(default_factory=dict)
@@ -208,14 +210,16 @@ class Snapshot:
         """The model revision's price in force at ``at`` (the database clock of the admission), or None."""
         return price_in_force(self.prices.get(model.pk, []), at)
 
-    def counter_for(self, spec: ModelSpec) -> TokenizerCounter:
-        """The tokenizer a model spec names (loaded once per process). Raises CountingUnavailable when the
-        file is missing or its bytes are not the provisioned digest (a swapped file is provisioned anew)."""
-        file_name = self.tokenizer_files.get(spec.tokenizer_digest)
-        if file_name is None:
+    def counter_for(self, spec: ModelSpec) -> SegmentCounter:
+        """The tokenizer a model spec names, read as its family says (loaded once per process). Raises
+        CountingUnavailable when the file is missing or its bytes are not the provisioned digest (a swapped
+        file is provisioned anew)."""
+        file = self.tokenizer_files.get(spec.tokenizer_digest)
+        if file is None:
             raise CountingUnavailable(f"no tokenizer with digest {spec.tokenizer_digest} is provisioned")
-        return TokenizerCounter.from_file(
-            Path(settings.TOKENIZER_DIR) / file_name, expected_digest=spec.tokenizer_digest
+        file_name, family = file
+        return load_counter(
+            family, Path(settings.TOKENIZER_DIR) / file_name, expected_digest=spec.tokenizer_digest
         )
 
     def _served(self, name: str, pool: ModelPool) -> ModelRevision | None:
@@ -256,7 +260,10 @@ def _load(version: int | None) -> Snapshot:
         pools={p.slug: p for p in ModelPool.objects.all()},
         models={m.name: m for m in ModelRevision.objects.select_related("tokenizer")},
         model_pools={name: frozenset(ids) for name, ids in model_pools.items()},
-        tokenizer_files=dict(Tokenizer.objects.values_list("digest", "file_name")),
+        tokenizer_files={
+            digest: (file_name, family)
+            for digest, file_name, family in Tokenizer.objects.values_list("digest", "file_name", "family")
+        },
         policy=None if alias is None else _parsed(json.dumps(alias.version.document, sort_keys=True)),
         global_cap_floor=None if alias is None else alias.global_cap_floor,
         prices=prices,

@@ -29,6 +29,7 @@ class Asset:
 
 LITELLM = "litellm==1.110.2"
 _TOKENIZERS = "litellm/litellm_core_utils/tokenizers/"
+LLAMA_MODELS = "llama-models==0.3.0"
 
 ASSETS: tuple[Asset, ...] = (
     Asset(
@@ -49,6 +50,34 @@ ASSETS: tuple[Asset, ...] = (
         _TOKENIZERS + "anthropic_tokenizer.json",
         "c241737df24b4e7f7c9af4fdcee29a0ca903dcb288a8b753bc346a3092911767",
     ),
+    # tiktoken's cache files of OpenAI's encodings, named by the sha1 of their URL; their sha256 is the one
+    # tiktoken itself pins for o200k_base and cl100k_base (tiktoken_ext/openai_public.py).
+    Asset(
+        "o200k_base.tiktoken",
+        LITELLM,
+        _TOKENIZERS + "fb374d419588a4632f3f557e76b4b70aebbca790",
+        "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+    ),
+    Asset(
+        "cl100k_base.tiktoken",
+        LITELLM,
+        _TOKENIZERS + "9b5ad71b2ce5302211f9c61530b329a4922fc6a4",
+        "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+    ),
+    # Meta's Llama 3 vocabulary (a tiktoken BPE file); the wheel's licence file points to the Llama 3
+    # Community License, which governs it.
+    Asset(
+        "llama3.tokenizer.model",
+        LLAMA_MODELS,
+        "llama_models/llama3/tokenizer.model",
+        "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55",
+    ),
+    Asset(
+        "llama3.LICENSE",
+        LLAMA_MODELS,
+        "llama_models-0.3.0.dist-info/licenses/LICENSE",
+        "8a9aa234c748b9831a209810962cb0401200a2458ab42e8b3809d96d3c71b7c6",
+    ),
     Asset(
         "litellm.LICENSE",
         LITELLM,
@@ -56,6 +85,11 @@ ASSETS: tuple[Asset, ...] = (
         "b170d6bf8e8835dd357e011681db028f4d51e2fb0ea892058f56e01fb39b8273",
     ),
 )
+
+
+def pinned_sha256(name: str) -> str | None:
+    """Return the pinned sha256 of the asset installed as ``name``, or None for a file that is not one."""
+    return next((asset.sha256 for asset in ASSETS if asset.name == name), None)
 
 
 def sha256_file(path: Path) -> str:

@@ -187,7 +187,7 @@ def _create(item: ObjectPlan, source: Source, now: datetime) -> None:
 
 def _update(item: ObjectPlan, fields: list[FieldPlan], source: Source, now: datetime) -> None:
     model = item.wanted.model
-    if model is Price and Reservation.objects.filter(price__pk=item.pk).exists():
+    if model is Price and item.pk is not None and Reservation.objects.filter(price_id=item.pk).exists():
         raise ProvisioningError(
             f"prices[{item.wanted.label}]",
             "admissions used this price: it cannot be changed; add a new price effective from now",

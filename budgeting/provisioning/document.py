@@ -6,7 +6,6 @@ never gets as far as a plan.
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import datetime
 from pathlib import Path
@@ -35,11 +34,11 @@ from budgeting.catalog.models import (
 )
 from budgeting.catalog.policies import document_errors
 from budgeting.catalog.prices import to_micro
-from budgeting.catalog.tokenizer_assets import sha256_file
+from budgeting.catalog.tokenizer_assets import pinned_sha256, sha256_file
 from budgeting.provisioning.prices import CURRENCY, money_amount, read_prices
 from budgeting.provisioning.source import ProvisioningError, Reader, items
 from budgeting.provisioning.wanted import Wanted, known, wanted
-from ladder.counting import upper_bound_rule
+from ladder.families import FAMILIES, TOKENIZER_FAMILIES
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
 
@@ -100,7 +99,7 @@ def read_document(doc: Any, *, now: datetime, tokenizer_dir: Path | None = None)
     out: list[Wanted] = []
     out += _tokenizers(doc, tokenizer_dir or Path(settings.TOKENIZER_DIR))
     out += _pools(doc)
-    out += _model_revisions(doc, known(Tokenizer, out), known(ModelPool, out))
+    out += _model_revisions(doc, _tokenizer_families(out), known(ModelPool, out))
     out += read_prices(doc, known(ModelRevision, out))
     out += _task_classes(doc)
     out += _tenants(doc)
@@ -117,28 +116,52 @@ def read_document(doc: Any, *, now: datetime, tokenizer_dir: Path | None = None)
 
 
 def _tokenizers(doc: dict[str, Any], tokenizer_dir: Path) -> list[Wanted]:
+    """The tokenizers of the document. Raises ProvisioningError for an unknown family, a missing file, a file
+    whose sha256 is not the document's or not the pin of the asset it is named after, or a file that is not
+    of its family."""
     out = []
     for path, item in items(doc, "tokenizers"):
-        r = Reader(item, path, {"name", "family", "source", "file", "nfkc"})
+        r = Reader(item, path, {"name", "family", "source", "file", "sha256", "nfkc"})
+        family = FAMILIES[r.choice("family", set(TOKENIZER_FAMILIES))]
         file_name = r.get("file", str, required=True)
         file_path = tokenizer_dir / file_name
         if not file_path.is_file():
             raise ProvisioningError(f"{path}.file", f"{file_path} does not exist (run ./platform to fetch)")
         name = r.get("name", str, required=True)
+        digest = sha256_file(file_path)
+        stated = r.get("sha256", str, "")
+        if stated and stated != digest:
+            raise ProvisioningError(f"{path}.sha256", f"{file_path} has sha256 {digest}, not {stated}")
+        pinned = pinned_sha256(file_name)
+        if pinned is not None and pinned != digest:
+            raise ProvisioningError(
+                f"{path}.file",
+                f"{file_path} has sha256 {digest}, not the pinned {pinned} (./platform fetches it again)",
+            )
         try:
-            rule = upper_bound_rule(json.loads(file_path.read_bytes()))
+            rule = family.bound_rule(file_path.read_bytes())
         except ValueError:
-            raise ProvisioningError(f"{path}.file", f"{file_path} is not a tokenizer JSON file") from None
+            error = f"{file_path} is not a {family.name} tokenizer file"
+            raise ProvisioningError(f"{path}.file", error) from None
         fields = [
-            ("family", "family", r.get("family", str, required=True)),
+            ("family", "family", family.name),
             ("source", "source", r.get("source", str, "")),
             ("file_name", "file", file_name),
-            ("digest", "file (digest)", "sha256:" + sha256_file(file_path)),
+            ("digest", "file (digest)", "sha256:" + digest),
             ("upper_bound_rule", "file (upper bound rule)", rule or ""),
             ("nfkc", "nfkc", r.get("nfkc", bool, False)),
         ]
         out.append(wanted("tokenizer", name, Tokenizer, {"name": name}, fields))
     return out
+
+
+def _tokenizer_families(named_in_file: list[Wanted]) -> dict[str, str]:
+    """The family of every tokenizer a model revision may name: the file's own, else the database's."""
+    families = dict(Tokenizer.objects.values_list("name", "family"))
+    for w in named_in_file:
+        if w.model is Tokenizer:
+            families[w.lookup["name"]] = next(f.value for f in w.fields if f.name == "family")
+    return families
 
 
 def _pools(doc: dict[str, Any]) -> list[Wanted]:
@@ -188,7 +211,7 @@ def _env_name(r: Reader, key: str) -> str:
     return value
 
 
-def _model_revisions(doc: dict[str, Any], tokenizers: set[Any], pools: set[Any]) -> list[Wanted]:
+def _model_revisions(doc: dict[str, Any], tokenizers: dict[str, str], pools: set[Any]) -> list[Wanted]:
     out = []
     for path, item in items(doc, "modelRevisions"):
         r = Reader(
@@ -217,12 +240,24 @@ def _model_revisions(doc: dict[str, Any], tokenizers: set[Any], pools: set[Any])
         if bad:
             raise ProvisioningError(f"{path}.capabilities", f"unknown capability {bad[0]!r}")
         name = r.get("name", str, required=True)
+        tokenizer = r.ref("tokenizer", set(tokenizers), "tokenizer")
+        template_family = r.choice("templateFamily", TEMPLATE_FAMILIES)
+        family = FAMILIES.get(tokenizers[tokenizer])
+        if family is None:
+            error = f"unknown tokenizer family {tokenizers[tokenizer]!r}"
+            raise ProvisioningError(f"{path}.tokenizer", error)
+        if template_family not in family.templates:
+            raise ProvisioningError(
+                f"{path}.templateFamily",
+                f"the {family.name} tokenizer {tokenizer!r} is framed by {sorted(family.templates)}, "
+                f"not {template_family!r}",
+            )
         fields = [
-            ("tokenizer", "tokenizer", r.ref("tokenizer", tokenizers, "tokenizer")),
+            ("tokenizer", "tokenizer", tokenizer),
             ("pools", "pools", r.refs("pools", pools, "model pool", required=True)),
             ("context_window", "contextWindow", window),
             ("max_output", "maxOutput", max_output),
-            ("template_family", "templateFamily", r.choice("templateFamily", TEMPLATE_FAMILIES)),
+            ("template_family", "templateFamily", template_family),
             (
                 "image_formula",
                 "imageFormula",

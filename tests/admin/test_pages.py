@@ -158,7 +158,7 @@ def test_tokenizer_digest_is_read_from_the_file(users, settings, tmp_path):
     platform = login("platform")
     body = {
         "name": "tok",
-        "family": "wordlevel",
+        "family": "byte-level-bpe",
         "source": "test",
         "file_name": "tok.json",
         "change_reason": "new",
@@ -170,6 +170,15 @@ def test_tokenizer_digest_is_read_from_the_file(users, settings, tmp_path):
         reverse("admin:budgeting_tokenizer_add"), {**body, "name": "x", "file_name": "../x"}
     )
     assert escape.status_code == 200 and "no file" in escape.content.decode()
+    unknown = platform.post(
+        reverse("admin:budgeting_tokenizer_add"), {**body, "name": "y", "family": "wordlevel"}
+    )
+    assert unknown.status_code == 200 and not Tokenizer.objects.filter(name="y").exists()
+    # A JSON file is not a tiktoken vocabulary: the family decides how the file is read.
+    wrong = platform.post(
+        reverse("admin:budgeting_tokenizer_add"), {**body, "name": "z", "family": "o200k_base"}
+    )
+    assert wrong.status_code == 200 and "not a o200k_base tokenizer file" in wrong.content.decode()
 
 
 def test_token_rotation_shows_the_new_token_once_and_can_revoke_the_old(users, cat):

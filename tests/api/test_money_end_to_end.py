@@ -1,8 +1,8 @@
-"""Money limits end to end, through the real API: provision a spend limit → admit (the hold priced at the price
-in force) → 429 QUOTA_EXCEEDED in money → settle (the money posted at the frozen prices, the rest released) →
-the report reads the posted figures → a billing import with the provider's billed cost reconciles it (drift
-per model and per account, a finding, the metrics). And 422 PRICE_UNAVAILABLE when the limit's currency has
-no price.
+"""Money limits end to end, through the real API: provision a spend limit → admit (the hold priced at
+the price in force) → 429 QUOTA_EXCEEDED in money → settle (the money posted at the frozen prices, the rest
+released) → the report reads the posted figures → a billing import with the provider's billed cost
+reconciles it (drift per model and per account, a finding, the metrics). And 422 PRICE_UNAVAILABLE when the
+limit's currency has no price.
 
 The demo prices model@2026-07-01 at $0.27 input and $1.10 output per million tokens.
 """
@@ -36,7 +36,7 @@ IN_PRICE, OUT_PRICE = 270_000, 1_100_000  # micro-dollars per million tokens
 
 
 def provision_spend_limit(limit: str, currency: str = "USD") -> None:
-    """The demo file with t-19's tenant account given a monthly spend limit (the same write path as any file)."""
+    """The demo file with t-19's tenant account given a monthly spend limit (the write path of any file)."""
     doc: dict[str, Any] = copy.deepcopy(load_file(DEMO))
     for account in doc["accounts"]:
         if account["scope"] == Scope.TENANT and account.get("tenant") == "t-19":

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.utils import timezone
 
 from budgeting.catalog.models import (
     ApiToken,
@@ -22,7 +23,9 @@ from budgeting.catalog.models import (
     Tokenizer,
     hash_token,
 )
+from budgeting.catalog.tokenizer_assets import pinned_sha256
 from budgeting.provisioning.apply import apply_config, is_empty
+from budgeting.provisioning.document import read_document
 from budgeting.provisioning.source import ProvisioningError, load, load_file
 from ledger.models import CapacityAccount
 
@@ -62,6 +65,14 @@ def test_tokens_are_stored_hashed():
         (lambda d: d["accounts"][0].update(inputLimit="lots"), "accounts[0].inputLimit"),
         (lambda d: d["taskClasses"][0].update(maxOutputCap=True), "taskClasses[0].maxOutputCap"),
         (lambda d: d["tokenizers"][0].update(file="missing.json"), "tokenizers[0].file"),
+        (lambda d: d["tokenizers"][0].update(family="sentencepiece"), "tokenizers[0].family"),
+        (lambda d: d["tokenizers"][0].update(sha256="0" * 64), "tokenizers[0].sha256"),
+        # A DeepSeek JSON file is not a tiktoken vocabulary.
+        (lambda d: d["tokenizers"][0].update(family="o200k_base"), "tokenizers[0].file"),
+        (
+            lambda d: d["modelRevisions"][0].update(templateFamily="llama3"),
+            "modelRevisions[0].templateFamily",
+        ),
         (lambda d: d["tenants"].append(dict(d["tenants"][1], name="Acme")), "tenant t-19"),
         (
             lambda d: d["policies"]["versions"][0]["document"]["taskClasses"]["summarize"].update(
@@ -80,6 +91,28 @@ def test_an_invalid_file_names_the_field_and_applies_nothing(mutate, path):
     assert not Tenant.objects.exists()
     assert not Tokenizer.objects.exists()
     assert not PolicyVersion.objects.exists()
+
+
+def test_a_file_whose_digest_is_not_its_pin_is_refused_with_its_path(tmp_path, settings):
+    source = Path(settings.TOKENIZER_DIR)
+    for name in ("deepseek_v3.json", "claude_legacy.json"):
+        (tmp_path / name).write_bytes((source / name).read_bytes())
+    with (tmp_path / "claude_legacy.json").open("ab") as handle:
+        handle.write(b" ")
+    doc = load_file(DEMO)
+    with pytest.raises(ProvisioningError) as err:
+        read_document(doc, now=timezone.now(), tokenizer_dir=tmp_path)
+    assert err.value.path == "tokenizers[1].file"
+    assert "not the pinned" in str(err.value) and str(tmp_path / "claude_legacy.json") in str(err.value)
+
+
+def test_a_stated_digest_that_matches_is_accepted():
+    doc = copy.deepcopy(load_file(DEMO))
+    doc["tokenizers"][0]["sha256"] = pinned_sha256(doc["tokenizers"][0]["file"])
+    apply_config(doc)
+    assert Tokenizer.objects.get(name=doc["tokenizers"][0]["name"]).digest == "sha256:" + str(
+        doc["tokenizers"][0]["sha256"]
+    )
 
 
 def test_command_reports_the_bad_field(tmp_path):

@@ -51,7 +51,8 @@ def whole_stream_count(family: str, pieces: Sequence[Piece], formula: ImageFormu
 
 
 def test_families_are_registered() -> None:
-    assert set(TEMPLATE_FAMILIES) == set(FAMILIES)
+    # The families framed by the vendors' own code are proven against it in test_families.py.
+    assert set(TEMPLATE_FAMILIES) == set(FAMILIES) | {"openai", "llama3"}
     with pytest.raises(TemplateError):
         get_template("chatml")
 

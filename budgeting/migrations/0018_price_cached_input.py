@@ -12,7 +12,7 @@ UNBUMP = "DROP TRIGGER IF EXISTS budgeting_price_bumps_catalog ON budgeting_pric
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0016_packed_manifest_request"),
+        ("budgeting", "0017_tokenizer_family_choices"),
     ]
 
     operations = [

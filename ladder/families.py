@@ -1,0 +1,211 @@
+"""Tokenizer families: how a tokenizer file becomes a counter, which chat templates frame it, and its bound.
+
+A model revision names its tokenizer, and the tokenizer names its family (the catalog's ``Tokenizer.family``).
+The family says how the file's bytes are read (a Hugging Face ``tokenizers`` JSON, or a tiktoken BPE file
+with the vendor's split pattern and special tokens), which chat-template families are proven for it, and the
+upper bound proven for it when counting is unavailable. A family not listed here is refused by provisioning.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+from tokenizers import Tokenizer
+
+from ladder.counting import CountingUnavailable, SegmentCounter, TokenizerCounter, UpperBoundRule, file_digest
+from ladder.counting import upper_bound_rule as json_upper_bound_rule
+from ladder.encoders import TiktokenCounter, llama3_chunks, parse_tiktoken_bpe
+
+
+class UnknownFamily(ValueError):
+    """A tokenizer family that is not in ``FAMILIES``."""
+
+
+# The split patterns and special tokens are the vendors' (tiktoken_ext.openai_public for OpenAI,
+# llama_models.llama3.tokenizer for Meta): the golden tests compare ids with those very modules.
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|"""
+    r"""\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+LLAMA3_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+LLAMA3_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+)
+
+
+def _hf_json(data: bytes, digest: str) -> SegmentCounter:
+    tokenizer = Tokenizer.from_buffer(data)
+    # Content that spells a special token is counted as the text it is, never as the special token.
+    tokenizer.encode_special_tokens = True
+    return TokenizerCounter(tokenizer, digest)
+
+
+def _openai(name: str, pattern: str) -> Callable[[bytes, str], SegmentCounter]:
+    def load(data: bytes, digest: str) -> SegmentCounter:
+        encoding = tiktoken.Encoding(
+            name=name, pat_str=pattern, mergeable_ranks=parse_tiktoken_bpe(data), special_tokens={}
+        )
+        return TiktokenCounter(encoding, digest, specials={})
+
+    return load
+
+
+def _llama3(data: bytes, digest: str) -> SegmentCounter:
+    ranks = parse_tiktoken_bpe(data)
+    # Meta's tokenizer numbers 256 special tokens after the vocabulary: its named ones, then reserved ones.
+    names = LLAMA3_SPECIALS + tuple(
+        f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIALS))
+    )
+    specials = {token: len(ranks) + index for index, token in enumerate(names)}
+    encoding = tiktoken.Encoding(
+        name="llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={}
+    )
+    return TiktokenCounter(encoding, digest, specials=specials, chunks=llama3_chunks)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tokenizer family: its loader, the chat templates proven for it, and how its bound is found."""
+
+    name: str
+    description: str
+    templates: frozenset[str]
+    loader: Callable[[bytes, str], SegmentCounter]
+    # None: the bound is read from the file (a ``tokenizers`` JSON says whether it normalises).
+    fixed_bound: UpperBoundRule | None = None
+
+    def bound_rule(self, data: bytes) -> UpperBoundRule | None:
+        """Return the upper-bound rule proven for this file of the family, or None.
+
+        Raises ValueError when the bytes are not a file of this family's format.
+        """
+        if self.fixed_bound is None:
+            document = json.loads(data)
+            if not isinstance(document, dict):
+                raise ValueError("a tokenizers JSON file is an object")
+            return json_upper_bound_rule(document)
+        parse_tiktoken_bpe(data)
+        return self.fixed_bound
+
+
+# Every token of a tiktoken vocabulary is a non-empty byte string and nothing normalises the text first, so a
+# text never has more tokens than UTF-8 bytes (the Llama 3 cutting only splits the text).
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            "byte-level-bpe",
+            "Hugging Face tokenizers JSON, byte-level BPE without a normaliser",
+            frozenset({"deepseek", "meta"}),
+            _hf_json,
+        ),
+        Family(
+            "byte-level-bpe-nfkc",
+            "Hugging Face tokenizers JSON, byte-level BPE after NFKC",
+            frozenset({"deepseek", "meta"}),
+            _hf_json,
+        ),
+        Family(
+            "o200k_base",
+            "OpenAI o200k_base (tiktoken BPE file): GPT-4o, 4.1, 5, o-series",
+            frozenset({"openai"}),
+            _openai("o200k_base", O200K_PATTERN),
+            "UTF8_BYTES",
+        ),
+        Family(
+            "cl100k_base",
+            "OpenAI cl100k_base (tiktoken BPE file): GPT-4, GPT-3.5",
+            frozenset({"openai"}),
+            _openai("cl100k_base", CL100K_PATTERN),
+            "UTF8_BYTES",
+        ),
+        Family(
+            "llama3",
+            "Meta Llama 3.x (tiktoken BPE file, Meta's pattern and 256 special tokens)",
+            frozenset({"llama3"}),
+            _llama3,
+            "UTF8_BYTES",
+        ),
+    )
+}
+TOKENIZER_FAMILIES: tuple[str, ...] = tuple(sorted(FAMILIES))
+
+
+def get_family(name: str) -> Family:
+    """Return the family called ``name``. Raises UnknownFamily."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise UnknownFamily(
+            f"unknown tokenizer family {name!r} (known: {', '.join(TOKENIZER_FAMILIES)})"
+        ) from None
+
+
+_LOCK = threading.Lock()
+# One counter per file content per process, and the digest of each file version seen (keyed by its stat).
+_BY_DIGEST: dict[str, SegmentCounter] = {}
+_DIGEST_BY_STAT: dict[tuple[str, str, int, int, int, int, int], str] = {}
+
+
+def load_counter(family: str, path: Path, *, expected_digest: str | None = None) -> SegmentCounter:
+    """Return the exact counter of the ``family`` file at ``path``, built at most once per file content.
+
+    The digest is computed from the very bytes that are loaded, so it always names what counts.
+    Raises CountingUnavailable if the family is unknown, the file is missing, unreadable or not of the
+    family, or (when ``expected_digest`` is given) not the expected file.
+    """
+    try:
+        loader = get_family(family).loader
+        # A rewritten or replaced file (or a symlink pointed elsewhere: stat follows it) has a new stat key,
+        # so it is read and hashed again. No resolve(): it costs ten stats, on every admission.
+        stat = path.stat()
+        key = (family, str(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+        with _LOCK:
+            digest = _DIGEST_BY_STAT.get(key, "")
+            counter = _BY_DIGEST.get(f"{family}:{digest}")
+        if counter is None:
+            data = path.read_bytes()
+            digest = file_digest(data)
+            counter = loader(data, digest)
+            with _LOCK:
+                counter = _BY_DIGEST.setdefault(f"{family}:{digest}", counter)
+                _DIGEST_BY_STAT[key] = digest
+    except UnknownFamily as exc:
+        raise CountingUnavailable(str(exc)) from exc
+    except OSError as exc:
+        raise CountingUnavailable(f"tokenizer file {path} is unavailable: {exc}") from exc
+    except Exception as exc:  # the Rust loaders raise plain Exception for a malformed file
+        raise CountingUnavailable(f"tokenizer file {path} cannot be loaded as {family}: {exc}") from exc
+    if expected_digest is not None and digest != expected_digest:
+        raise CountingUnavailable(f"tokenizer file {path} has digest {digest}, expected {expected_digest}")
+    return counter
