@@ -291,6 +291,11 @@ LEASE_SECONDS = env_int("LEASE_SECONDS", 120, minimum=1)
 ACCOUNT_CACHE_SECONDS = env_int("ACCOUNT_CACHE_SECONDS", 5, minimum=0)
 # Segment counts kept in each process in front of Redis (an entry is a key of ~100 bytes and an int).
 COUNT_CACHE_LOCAL_ENTRIES = env_int("COUNT_CACHE_LOCAL_ENTRIES", 200_000, minimum=0)
+# Provider counting APIs (budgeting/admission/counters): a count waits at most this long, and this many
+# timeouts, 429s or 5xx in a row open the API's circuit for the cooldown (no call, counting unavailable).
+COUNTING_API_TIMEOUT_SECONDS = env_int("COUNTING_API_TIMEOUT_MS", 2000, minimum=1) / 1000
+COUNTING_BREAKER_FAILURES = env_int("COUNTING_BREAKER_FAILURES", 3, minimum=1)
+COUNTING_BREAKER_COOLDOWN_SECONDS = env_int("COUNTING_BREAKER_COOLDOWN_SECONDS", 30, minimum=1)
 # Ladder decisions kept in each process for repeats of the same components (admission/decision_memo.py),
 # bounded by the memory they take (about five times their requests' JSON); 0 turns the memo off.
 DECISION_MEMO_BYTES = env_int("DECISION_MEMO_BYTES", 64 * 1024 * 1024, minimum=0)

@@ -33,7 +33,10 @@ from ladder.templates import (
     check_boundaries,
 )
 
-CountMethod = Literal["EXACT", "UPPER_BOUND"]
+CountMethod = Literal["EXACT", "UPPER_BOUND", "PROVIDER_COUNT"]
+"""``EXACT``: the model's own tokenizer, proven equal to the vendor's code. ``UPPER_BOUND``: an approved bound
+that never undercounts. ``PROVIDER_COUNT``: the provider's counting API answered for the final payload (its
+own count, which Anthropic documents as an estimate): never called exact."""
 ImageFormula = Literal["tiles512", "pixels750"]
 IMAGE_FORMULAS: tuple[ImageFormula, ...] = ("tiles512", "pixels750")
 # Images are scaled down so that their long side is at most this many pixels before the formula applies.
@@ -287,6 +290,40 @@ class Count:
     per_object: dict[str, int]
     method: CountMethod
     specials: int
+
+
+def apportion(parts: Mapping[str, int], total: int) -> dict[str, int]:
+    """Share ``total`` between ``parts`` in proportion to them (largest remainder), so the shares sum to it.
+
+    A provider's counting API answers one total; the buckets and objects keep the local counter's shares of
+    it. Raises ValueError for a negative total or part.
+    """
+    if total < 0 or any(value < 0 for value in parts.values()):
+        raise ValueError("counts cannot be negative")
+    weight = sum(parts.values())
+    if not parts:
+        return {}
+    if weight == 0:
+        first = next(iter(parts))
+        return {name: (total if name == first else 0) for name in parts}
+    shares = {name: value * total // weight for name, value in parts.items()}
+    left = total - sum(shares.values())
+    by_remainder = sorted(parts, key=lambda name: (-(parts[name] * total % weight), name))
+    for name in by_remainder[:left]:
+        shares[name] += 1
+    return shares
+
+
+def with_total(count: Count, total: int, method: CountMethod) -> Count:
+    """The count ``count`` re-apportioned to ``total`` (buckets and objects keep their shares)."""
+    per_bucket = apportion(count.per_bucket, total)
+    return Count(
+        total,
+        per_bucket,
+        apportion(count.per_object, total),
+        method,
+        per_bucket.get(TEMPLATE_BUCKET, 0),
+    )
 
 
 def cache_key(counter_digest: str, template_revision: str, text: str) -> str:

@@ -18,6 +18,7 @@ from ladder.counting import (
     SegmentCounter,
     UpperBoundCounter,
     rendered_digest,
+    with_total,
 )
 from ladder.decision import (
     CONTEXT_BUDGET_EXCEEDED,
@@ -42,9 +43,12 @@ from ladder.rungs import (
     minimum_evidence_ids,
     trim_order,
 )
-from ladder.walk import End, Request, Target, Walk
+from ladder.walk import Calibration, End, ProviderCount, Request, Target, Walk, final_payload
 
 ESTIMATOR_REVISION = "ladder/1"
+# A provider-counted decision asks the provider at most this many payloads (FULL, the walk's end, and one
+# re-walk's end when the first estimate was off).
+MAX_PROVIDER_COUNTS = 3
 RECOMMENDATIONS: tuple[str, ...] = ("NARROW_SCOPE", "PROCESS_ASYNC")
 
 
@@ -207,8 +211,7 @@ def _smaller_model(walk: Walk) -> None:
             continue
         route = walk.request.route_to(candidate)
         try:
-            counter = walk.request.exact_counter(candidate)
-            target = Target(route, counter, current.cache, current.render_memo)
+            target = walk.request.target(candidate, current.cache, current.render_memo)
             counted = target.count(walk.state)
         except CountingUnavailable:
             checks.append(CandidateCheck(candidate.id, ("counting",), None, route.budget))
@@ -245,6 +248,7 @@ def decide(
     fallback_models: Sequence[ModelSpec],
     counter_for: Callable[[ModelSpec], SegmentCounter],
     cache: CountCache,
+    provider_count: ProviderCount | None = None,
 ) -> Decision:
     """Decide whether ``components`` may be sent to ``model``, degrading along the task's ladder if needed.
 
@@ -255,6 +259,13 @@ def decide(
     ``counter_for`` returns the exact counter of a model; if counting is unavailable the policy either
     rejects (COUNTING_UNAVAILABLE) or counts with the model's approved upper bound, which is never used to
     degrade anything. Hard buckets are never changed.
+
+    A model with a ``provider_counter`` is counted by ``provider_count`` (its counting API), never one call
+    per rung: the FULL payload is counted by the provider first (most requests fit, and that is the one
+    call); otherwise the walk counts with the model's local tokenizer scaled by the provider's answer, and
+    the payload it ends on is counted by the provider; only when that count and the estimate disagree on
+    fitting is the walk repeated on the new scale (at most ``MAX_PROVIDER_COUNTS`` provider counts in all).
+    Without ``provider_count`` such a model's counting is unavailable.
 
     Raises ValueError for a non-positive ``requested_max_output`` or ``global_cap``, or a fallback model that
     the policy does not list; TemplateError for an inconsistent ladder state (a bug).
@@ -280,6 +291,7 @@ def decide(
         base=replace(components, evidence=permitted, compactions=()),
         refused=refused,
         digests_before=bucket_digests(components),
+        calibration=None if provider_count is None else Calibration(provider_count),
     )
     missing = _missing_minimum_evidence(request)
     if missing is not None:
@@ -306,11 +318,39 @@ def _missing_minimum_evidence(request: Request) -> str | None:
 
 
 def _walk_ladder(request: Request, cache: CountCache) -> Decision:
-    """Count FULL exactly and apply the policy's rungs in order until the payload fits.
+    """Count FULL and apply the policy's rungs in order until the payload fits; a provider-counted end is
+    confirmed by the provider (``decide``).
 
-    Raises CountingUnavailable when the requested model's exact counter cannot count.
+    Raises CountingUnavailable when the requested model's counter (or its counting API) cannot count.
     """
-    target = Target(request.route, request.exact_counter(request.model), cache, RenderMemo())
+    calibration = request.calibration
+    memo = RenderMemo()
+    if calibration is not None and request.model.provider_counter is not None:
+        calibration.measure(request.target(request.model, cache, memo), request.base)
+    # FULL was counted above: each pass of the walk may count one more payload.
+    for _ in range(MAX_PROVIDER_COUNTS - 1):
+        walk = _walk(request, request.target(request.model, cache, memo))
+        end_target = walk.target
+        if calibration is None or end_target.model.provider_counter is None:
+            return _walked(request, walk)
+        remote = calibration.measure(end_target, walk.state)
+        provider_fits = remote <= end_target.budget
+        if provider_fits == walk.fits:
+            walk.count = with_total(walk.count, remote, "PROVIDER_COUNT")
+            return _walked(request, walk)
+    walk.count = with_total(walk.count, remote, "PROVIDER_COUNT")
+    return _decision(
+        request,
+        walk.end(),
+        "QUEUE_OR_REJECT",
+        code=CONTEXT_BUDGET_EXCEEDED,
+        detail=f"the provider's count ({remote}) and the local estimate still disagreed on fitting the "
+        f"budget {end_target.budget} after {MAX_PROVIDER_COUNTS} provider counts",
+    )
+
+
+def _walk(request: Request, target: Target) -> Walk:
+    """Walk the policy's rungs from FULL on ``target`` until the state fits or the ladder ends."""
     walk = Walk(request, target, request.base, target.count(request.base))
     for rung in request.policy.ladder[1:]:
         if walk.fits:
@@ -319,10 +359,15 @@ def _walk_ladder(request: Request, cache: CountCache) -> Decision:
         if rung == "QUEUE_OR_REJECT":
             break
         _RUNGS[rung](walk)
+    return walk
+
+
+def _walked(request: Request, walk: Walk) -> Decision:
+    """The decision a finished walk stands for: admitted if it fits, else CONTEXT_BUDGET_EXCEEDED."""
     if walk.fits:
         return _decision(request, walk.end(), walk.tried[-1])
     # Only a fitting fallback is ever switched to, so the walk is still on the requested model here.
-    minimum_needed = target.count(_minimal(request)).total
+    minimum_needed = walk.target.count(_minimal(request)).total
     detail = f"{walk.count.total} input tokens after the ladder; the budget is {walk.target.budget}"
     return _decision(
         request,
@@ -389,9 +434,7 @@ def _decision(
     minimum_needed: int | None = None,
 ) -> Decision:
     """Return the decision that stops at ``end`` on ``rung``: admitted unless ``code`` rejects it."""
-    payload = dict(end.route.template.payload(end.state, end.memo))
-    payload["model"] = end.route.model.id
-    payload["max_tokens"] = end.route.max_output
+    payload = final_payload(end.route, end.state, end.memo)
     return Decision(
         request_id=request.request_id,
         admitted=code is None,
@@ -416,4 +459,5 @@ def _decision(
         minimum_tokens_needed=minimum_needed,
         rungs_tried=end.tried,
         recommendations=RECOMMENDATIONS if code == CONTEXT_BUDGET_EXCEEDED else (),
+        provider_counts=() if request.calibration is None else tuple(request.calibration.counted.items()),
     )

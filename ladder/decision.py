@@ -87,6 +87,8 @@ class Decision:
     minimum_tokens_needed: int | None
     rungs_tried: tuple[Rung, ...]
     recommendations: tuple[str, ...] = field(default=())
+    provider_counts: tuple[tuple[str, int], ...] = field(default=())
+    """(payload digest, tokens) of each payload a provider counting API counted for this decision."""
 
     @property
     def fits(self) -> bool:
@@ -95,7 +97,7 @@ class Decision:
 
     @property
     def count_method(self) -> CountMethod | None:
-        """``EXACT`` or ``UPPER_BOUND`` (None when nothing was counted)."""
+        """``EXACT``, ``UPPER_BOUND`` or ``PROVIDER_COUNT`` (None when nothing was counted)."""
         return None if self.count is None else self.count.method
 
     @property

@@ -23,6 +23,7 @@ Rung = Literal[
 ]
 RUNGS: tuple[Rung, ...] = get_args(Rung)
 CountingUnavailablePolicy = Literal["REJECT", "UPPER_BOUND"]
+DriftAction = Literal["ALERT", "COUNTING_UNAVAILABLE"]
 
 _SLUG = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 _MAX_TOKENS = 100_000_000
@@ -95,12 +96,31 @@ class TaskPolicy:
 
 
 @dataclass(frozen=True)
+class DriftBound:
+    """How far a counter's counts may drift from what providers report, per model revision and counter.
+
+    The drift of a settled call is ``|reported − admitted| / admitted``; over the latest ``window`` settled
+    calls (once there are ``min_calls``), its p99 must stay within ``max_p99`` (and its p50 within
+    ``max_p50``, when set). Out of bound it is flagged (admin, metrics, alert); with ``on_exceeded``
+    ``COUNTING_UNAVAILABLE`` the model's counter is also treated as unavailable, so each task's
+    counting-unavailable rule decides (REJECT, or the approved upper bound).
+    """
+
+    max_p99: float
+    max_p50: float | None = None
+    window: int = 200
+    min_calls: int = 20
+    on_exceeded: DriftAction = "ALERT"
+
+
+@dataclass(frozen=True)
 class Policy:
     """A validated policy version."""
 
     revision: int
     global_max_input_tokens: int
     task_classes: Mapping[str, TaskPolicy]
+    counter_drift: DriftBound | None = None
 
 
 def _join(path: str, key: str) -> str:
@@ -269,7 +289,7 @@ def parse_policy(doc: object) -> Policy:
     COMPACT_HISTORY without an approved gate, a clarification workflow without NARROW_WORKFLOW, a queue
     without a deadline.
     """
-    data = _obj(doc, "", ("revision", "globalMaxInputTokens", "taskClasses"))
+    data = _obj(doc, "", ("revision", "globalMaxInputTokens", "taskClasses"), ("counterDrift",))
     revision = _int(data["revision"], "revision", 1, 2**31 - 1)
     global_cap = _int(data["globalMaxInputTokens"], "globalMaxInputTokens", 1, _MAX_TOKENS)
     classes = data["taskClasses"]
@@ -280,4 +300,32 @@ def parse_policy(doc: object) -> Policy:
         if not isinstance(slug, str) or not _SLUG.fullmatch(slug):
             raise PolicyError(f"taskClasses.{slug}", "task class slugs match [a-z0-9][a-z0-9-]{0,63}")
         tasks[slug] = _task(classes[slug], f"taskClasses.{slug}")
-    return Policy(revision, global_cap, tasks)
+    drift = data.get("counterDrift")
+    return Policy(revision, global_cap, tasks, None if drift is None else _drift(drift, "counterDrift"))
+
+
+def _ratio(value: object, path: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(cast(float, value)):
+        raise PolicyError(path, "expected a number")
+    if not 0.0 <= cast(float, value) <= 10.0:
+        raise PolicyError(path, "must be between 0 and 10")
+    return float(cast(float, value))
+
+
+def _drift(value: object, path: str) -> DriftBound:
+    data = _obj(value, path, ("maxP99",), ("maxP50", "window", "minCalls", "onExceeded"))
+    action = data.get("onExceeded", "ALERT")
+    if action not in ("ALERT", "COUNTING_UNAVAILABLE"):
+        raise PolicyError(f"{path}.onExceeded", "must be 'ALERT' or 'COUNTING_UNAVAILABLE'")
+    window = _int(data.get("window", 200), f"{path}.window", 10, 100_000)
+    min_calls = _int(data.get("minCalls", 20), f"{path}.minCalls", 1, 100_000)
+    if min_calls > window:
+        raise PolicyError(f"{path}.minCalls", "cannot exceed window")
+    max_p50 = data.get("maxP50")
+    return DriftBound(
+        max_p99=_ratio(data["maxP99"], f"{path}.maxP99"),
+        max_p50=None if max_p50 is None else _ratio(max_p50, f"{path}.maxP50"),
+        window=window,
+        min_calls=min_calls,
+        on_exceeded=action,
+    )

@@ -34,6 +34,10 @@ class ModelSpec:
     safety_tier: int
     tokenizer_digest: str
     upper_bound: UpperBoundRule | None = None
+    provider_counter: str | None = None
+    """The provider counting API that counts this model's final payload (``anthropic``, ``gemini``,
+    ``openai``), or None when its local tokenizer is exact. With one, ``tokenizer_digest`` names the local
+    tokenizer the ladder walks with, calibrated on the provider's counts."""
 
     def __post_init__(self) -> None:
         """Raises ValueError for non-positive sizes, an unknown family, formula, capability or bound rule."""

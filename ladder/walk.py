@@ -6,16 +6,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from ladder.components import Components, EvidenceItem
-from ladder.counting import Count, CountCache, CountingUnavailable, SegmentCounter, count_stream
+from ladder.counting import (
+    Count,
+    CountCache,
+    CountingUnavailable,
+    SegmentCounter,
+    count_stream,
+    rendered_digest,
+    with_total,
+)
 from ladder.decision import CandidateCheck, LadderStep, RemovedObject
 from ladder.messages import RenderMemo
 from ladder.policy import Rung, TaskPolicy
 from ladder.rungs import ModelSpec
 from ladder.templates import ChatTemplate, get_template
+
+ProviderCount = Callable[[ModelSpec, Mapping[str, object], str], int]
+"""Counts a final payload (``ladder.decide``'s, with ``model`` and ``max_tokens``; its rendered digest is the
+third argument) through the model's provider counting API. Raises CountingUnavailable when the API cannot
+answer (timeout, 429, 5xx, open circuit)."""
+
+
+@dataclass
+class Scale:
+    """How a provider counts relative to the local tokenizer the walk counts with: provider / local."""
+
+    ratio: Fraction = Fraction(1)
+
+    def apply(self, count: Count) -> Count:
+        """``count`` scaled to the provider's measure (rounded up), buckets and objects apportioned."""
+        if self.ratio == 1:
+            return count
+        scaled = -(-count.total * self.ratio.numerator // self.ratio.denominator)
+        return with_total(count, scaled, count.method)
 
 
 @dataclass(frozen=True)
@@ -41,6 +69,8 @@ class Target:
     cache: CountCache
     render_memo: RenderMemo = field(default_factory=RenderMemo)
     counts: dict[str, int] = field(default_factory=dict)
+    scale: Scale | None = None
+    """For a provider-counted model: local counts are scaled by what the provider answered so far."""
 
     @property
     def model(self) -> ModelSpec:
@@ -51,6 +81,11 @@ class Target:
         return self.route.budget
 
     def count(self, components: Components) -> Count:
+        local = self.local_count(components)
+        return local if self.scale is None else self.scale.apply(local)
+
+    def local_count(self, components: Components) -> Count:
+        """The count of the local tokenizer, unscaled."""
         pieces = self.route.template.render(components, self.render_memo)
         return count_stream(
             pieces,
@@ -60,6 +95,56 @@ class Target:
             image_formula=self.route.model.image_formula,
             memo=self.counts,
         )
+
+
+def final_payload(route: Route, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
+    """The payload a decision answers: the template's, with the model id and the output it grants."""
+    payload = dict(route.template.payload(components, memo))
+    payload["model"] = route.model.id
+    payload["max_tokens"] = route.max_output
+    return payload
+
+
+@dataclass
+class Calibration:
+    """The provider counts of one decision: each payload counted at most once, and each provider-counted
+    model's scale, set by the latest payload the provider counted for it."""
+
+    provider_count: ProviderCount
+    scales: dict[str, Scale] = field(default_factory=dict)
+    counted: dict[str, int] = field(default_factory=dict)
+    """Provider counts by rendered digest of the payload (in the order they were asked)."""
+    states: dict[int, tuple[Components, ModelSpec, str]] = field(default_factory=dict)
+    """The payload digest of each state measured, by identity (a state measured twice is digested once)."""
+
+    def scale_for(self, model: ModelSpec) -> Scale | None:
+        """The scale of ``model`` (shared by every target of it), or None for a locally exact model."""
+        if model.provider_counter is None:
+            return None
+        return self.scales.setdefault(model.id, Scale())
+
+    def measure(self, target: Target, components: Components) -> int:
+        """The provider's count of ``components`` on ``target`` (asked once per payload); the model's scale
+        becomes provider / local for it. Raises CountingUnavailable."""
+        seen = self.states.get(id(components))
+        if seen is not None and seen[0] is components and seen[1] is target.model:
+            digest = seen[2]
+        else:
+            payload = final_payload(target.route, components, target.render_memo)
+            digest = rendered_digest(payload)
+            if digest not in self.counted:
+                remote = self.provider_count(target.model, payload, digest)
+                if type(remote) is not int or remote < 0:
+                    raise ValueError("provider count returned a malformed answer")
+                self.counted[digest] = remote
+            # The state itself is kept with its digest, so its id cannot be reused by another while here.
+            self.states[id(components)] = (components, target.model, digest)
+        remote = self.counted[digest]
+        local = target.local_count(components).total
+        scale = self.scale_for(target.model)
+        if scale is not None and local > 0:
+            scale.ratio = Fraction(remote, local)
+        return remote
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +167,8 @@ class Request:
     base: Components
     refused: tuple[EvidenceItem, ...]
     digests_before: dict[str, str]
+    calibration: Calibration | None = None
+    """Present when a provider counting API is available: provider-counted models are counted by it."""
 
     @property
     def route(self) -> Route:
@@ -93,6 +180,21 @@ class Request:
         max_output = min(self.requested_max_output, self.policy.output_cap, model.max_output)
         budget = min(model.context_window - max_output, self.policy.input_cap, self.global_cap)
         return Route(model, get_template(model.template_family), max_output, budget)
+
+    def target(self, model: ModelSpec, cache: CountCache, render_memo: RenderMemo) -> Target:
+        """The target counting for ``model``: its exact counter, scaled when the provider counts it.
+
+        Raises CountingUnavailable (the exact counter cannot load, or the model is provider-counted and no
+        provider counting is available).
+        """
+        scale = None
+        if model.provider_counter is not None:
+            if self.calibration is None:
+                raise CountingUnavailable(
+                    f"{model.id} is counted by {model.provider_counter}; no counting API"
+                )
+            scale = self.calibration.scale_for(model)
+        return Target(self.route_to(model), self.exact_counter(model), cache, render_memo, scale=scale)
 
     def exact_counter(self, model: ModelSpec) -> SegmentCounter:
         """Return the exact counter of ``model``.

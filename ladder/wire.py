@@ -154,4 +154,5 @@ def decision_manifest(decision: Decision) -> dict[str, object]:
         "minimumTokensNeeded": decision.minimum_tokens_needed,
         "rungsTried": list(decision.rungs_tried),
         "recommendations": list(decision.recommendations),
+        "providerCounts": [{"payloadDigest": digest, "tokens": n} for digest, n in decision.provider_counts],
     }

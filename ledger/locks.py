@@ -24,12 +24,15 @@ def lock_reservation(
     """Lock and return a fresh copy of one reservation, or None if it does not exist for these tenants.
 
     FOR UPDATE because every lifecycle write reads state, fence and amounts and then writes them: without the
-    lock two usage events could both read ``remaining`` and capture it twice.
+    lock two usage events could both read ``remaining`` and capture it twice. The stored documents (the first
+    answer, a queued request) are deferred: no lifecycle write reads them, and unpacking one (and writing it
+    back) was most of a lifecycle call's time for a large admission.
     """
     # The held accounts come with the row (one statement): every write that follows moves their balances.
     held = Hold.objects.filter(reservation=OuterRef("pk")).order_by("account_id").values("account_id")
     queryset = (
         Reservation.objects.select_for_update(of=("self",))
+        .defer("request_body", "response_body")
         .filter(pk=reservation_id)
         .annotate(
             held_account_ids=ArraySubquery(held),

@@ -173,6 +173,36 @@ def reservation_detail(reservation: Reservation) -> dict[str, Any]:
     }
 
 
+def lifecycle_answer(reservation: Reservation) -> dict[str, Any]:
+    """The answer of a lifecycle call (dispatch, usage, top-up, cancel, fail, lease, outcome): the state, the
+    amounts and the lease, from the row the call locked and wrote — no statement of its own. The gateway
+    reads the state and the lease from it; the whole detail (events, entries, holds, manifest) is at
+    ``GET /reservations/{id}`` (``reservation_detail``)."""
+    expires_at = reservation.lease_expires_at
+    return {
+        "reservationId": str(reservation.pk),
+        "state": reservation.state,
+        "outcome": reservation.outcome or None,
+        "input": {
+            "reserved": reservation.input_reserved,
+            "consumed": reservation.input_consumed,
+            "reported": reservation.input_reported,
+        },
+        "output": {
+            "reserved": reservation.output_reserved,
+            "topUps": reservation.top_ups,
+            "captured": reservation.captured,
+            "remaining": reservation.remaining,
+            "released": reservation.released,
+            "overrun": reservation.overrun,
+        },
+        "concurrencyHeld": reservation.concurrency_held,
+        "providerRequestId": reservation.provider_request_id or None,
+        "lease": {"fence": reservation.fence, "expiresAt": expires_at.isoformat() if expires_at else None},
+        "failureReason": reservation.failure_reason or None,
+    }
+
+
 # Failure reasons in which gateways report a provider's context-window refusal.
 CONTEXT_OVERFLOW_PATTERN = r"context[ _-]?(length|window|overflow)|prompt is too long|CONTEXT_OVERFLOW"
 

@@ -11,11 +11,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from simulation import provider_shapes
+from simulation import counting, provider_shapes
 from simulation.billing import BillingEntry, BillingStatus, api_key_id
 from simulation.completions import Completion, chunk_text, cumulative, generate, swap_pairs, usage_object
 from simulation.exports import EXPORT_FORMATS, EXPORT_GRANULARITIES, parse_bucket_width, parse_query_time
-from simulation.faults import Fault, LookupFault, Script, script_from_header
+from simulation.faults import CountFault, Fault, LookupFault, Script, script_from_header
 from simulation.server import TrackingServer, WireHandler
 
 if TYPE_CHECKING:
@@ -29,6 +29,26 @@ REPORTS: Final[Mapping[str, Report]] = {
     "/v1/organizations/usage_report/messages": provider_shapes.anthropic_usage,
 }
 _MAX_REQUEST_ID_LENGTH: Final = 256
+_GEMINI_PREFIX: Final = "/v1beta/models/"
+_GEMINI_SUFFIX: Final = ":countTokens"
+_COUNT_TEXTS: Final[Mapping[str, Callable[[Mapping[str, Any]], list[str]]]] = {
+    "anthropic": counting.anthropic_texts,
+    "openai": counting.openai_texts,
+    "gemini": counting.gemini_texts,
+}
+_GEMINI_STATUS: Final = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    429: "RESOURCE_EXHAUSTED",
+    500: "INTERNAL",
+}
+_ANTHROPIC_TYPE: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
 
 
 class SimulatorServer(TrackingServer):
@@ -51,8 +71,15 @@ class ProviderHandler(WireHandler):
     # -- routing ---------------------------------------------------------------------------------------
 
     def do_POST(self) -> None:
-        if urlsplit(self.path).path == "/v1/chat/completions":
+        path = urlsplit(self.path).path
+        if path == "/v1/chat/completions":
             self._chat_completions()
+        elif path == "/v1/messages/count_tokens":
+            self._count("anthropic", None)
+        elif path == "/v1/responses/input_tokens":
+            self._count("openai", None)
+        elif path.startswith(_GEMINI_PREFIX) and path.endswith(_GEMINI_SUFFIX):
+            self._count("gemini", unquote(path[len(_GEMINI_PREFIX) : -len(_GEMINI_SUFFIX)]))
         else:
             self._discard_body()
             self._send_error(404, "invalid_request_error", "not_found", f"no route POST {self.path}")
@@ -70,6 +97,69 @@ class ProviderHandler(WireHandler):
             self._report(report, parse_qs(parts.query))
         else:
             self._send_error(404, "invalid_request_error", "not_found", f"no route GET {self.path}")
+
+    # -- counting APIs ---------------------------------------------------------------------------------
+
+    def _count_key(self, api: str) -> str | None:
+        if api == "anthropic":
+            # The SDK sends the key as a bearer token; Anthropic's documented header is x-api-key.
+            return (self.headers.get("x-api-key") or "").strip() or self._bearer()
+        if api == "gemini":
+            return (self.headers.get("x-goog-api-key") or "").strip() or None
+        return self._bearer()
+
+    def _count_error(self, api: str, status: int, message: str) -> None:
+        """An error in the counting API's own documented shape."""
+        if api == "anthropic":
+            kind = _ANTHROPIC_TYPE.get(status, "api_error")
+            self._send_json(status, {"type": "error", "error": {"type": kind, "message": message}})
+        elif api == "gemini":
+            status_name = _GEMINI_STATUS.get(status, "INTERNAL")
+            self._send_json(status, {"error": {"code": status, "message": message, "status": status_name}})
+        else:
+            kind = "rate_limit_exceeded" if status == 429 else "server_error" if status >= 500 else "invalid"
+            self._send_error(
+                status, "invalid_request_error" if status < 500 else "server_error", kind, message
+            )
+
+    def _count(self, api: str, model: str | None) -> None:
+        """One counting request (``simulation.counting`` says what is counted), faults first."""
+        self.sim.note_count_attempt()
+        if self._count_key(api) is None:
+            self._discard_body()
+            self._count_error(api, 401, "missing API key")
+            return
+        fault, delay_s = self.sim.faults.take_count()
+        if fault is CountFault.HANG:
+            self._discard_body()
+            time.sleep(delay_s)
+            self._reset()
+            return
+        body = self._read_json()
+        if body is None:
+            return
+        if fault is CountFault.RATE_LIMITED:
+            self._count_error(api, 429, "rate limited")
+            return
+        if fault is CountFault.HTTP_5XX:
+            self._count_error(api, 529 if api == "anthropic" else 500, "the counting service failed")
+            return
+        if fault is CountFault.DELAY:
+            time.sleep(delay_s)
+        try:
+            texts = _COUNT_TEXTS[api](body)
+        except (counting.Invalid, AttributeError) as exc:
+            self._count_error(api, 400, str(exc))
+            return
+        tokens = self.sim.prompt_counter([{"content": text} for text in texts])
+        self.sim.record_count(api, model or str(body.get("model")), tokens)
+        if api == "anthropic":
+            self._send_json(200, {"input_tokens": tokens})
+        elif api == "gemini":
+            details = [{"modality": "TEXT", "tokenCount": tokens}]
+            self._send_json(200, {"totalTokens": tokens, "promptTokensDetails": details})
+        else:
+            self._send_json(200, {"object": "response.input_tokens", "input_tokens": tokens})
 
     # -- chat completions ------------------------------------------------------------------------------
 

@@ -41,6 +41,15 @@ class LookupFault(StrEnum):
     RESET = "reset"
 
 
+class CountFault(StrEnum):
+    """A scripted misbehaviour of the counting endpoints (Anthropic, Gemini, OpenAI)."""
+
+    DELAY = "delay"  # sleep delay_s, then answer normally
+    RATE_LIMITED = "rate_limited"  # 429 in the API's own error shape
+    HTTP_5XX = "http_5xx"  # 500 (Anthropic: 529 overloaded) in the API's own error shape
+    HANG = "hang"  # sleep delay_s and close the connection without an answer (a client times out first)
+
+
 @dataclass(frozen=True)
 class Script:
     """How to answer one request. Raises ``ValueError`` on parameters that cannot apply."""
@@ -67,7 +76,7 @@ class Script:
 
 @dataclass
 class _Pending:
-    script: Script | LookupFault
+    script: Script | LookupFault | CountFault
     remaining: int
     request_id: str | None
     delay_s: float = 0.0
@@ -80,6 +89,7 @@ class FaultScripts:
         self._lock = threading.Lock()
         self._scripts: list[_Pending] = []
         self._lookup_scripts: list[_Pending] = []
+        self._count_scripts: list[_Pending] = []
 
     def add(self, script: Script, *, count: int, request_id: str | None) -> None:
         """Answer the next ``count`` chat requests (only those with ``request_id``, if given) this way.
@@ -98,11 +108,29 @@ class FaultScripts:
         with self._lock:
             self._lookup_scripts.append(_Pending(fault, count, request_id, delay_s))
 
+    def add_count(self, fault: CountFault, *, count: int, delay_s: float) -> None:
+        """Misbehave on the next ``count`` counting requests. Raises ``ValueError`` if ``count`` is not
+        positive or a delay is negative."""
+        if count < 1 or delay_s < 0:
+            raise ValueError("count must be positive and delay_s not negative")
+        with self._lock:
+            self._count_scripts.append(_Pending(fault, count, None, delay_s))
+
+    def take_count(self) -> tuple[CountFault | None, float]:
+        """The fault and delay of the next counting request; ``(None, 0.0)`` when none is queued."""
+        with self._lock:
+            pending = _take(self._count_scripts, None)
+        if pending is None:
+            return None, 0.0
+        assert isinstance(pending.script, CountFault)
+        return pending.script, pending.delay_s
+
     def clear(self) -> None:
         """Forget every queued script."""
         with self._lock:
             self._scripts.clear()
             self._lookup_scripts.clear()
+            self._count_scripts.clear()
 
     def take(self, request_id: str | None) -> Script:
         """The script of the next chat request: one for its id first, else the oldest general one."""

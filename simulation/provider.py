@@ -10,7 +10,11 @@ plumbing in ``server``), ``faults`` (scripts), ``completions`` (token counts and
 - ``GET /v1/requests/{id}`` — a lookup: ``{"id", "status": completed|not_found|running|unknown, "usage",
   "model", "billing_status"}``;
 - ``GET /v1/billing/export?format=csv|jsonl&granularity=request|bucket&bucket=1h[&start_time=&end_time=]`` —
-  per-request rows or per-(api key, project, model, bucket) aggregates of billed requests.
+  per-request rows or per-(api key, project, model, bucket) aggregates of billed requests;
+- the counting APIs of Anthropic (``POST /v1/messages/count_tokens``), OpenAI
+  (``POST /v1/responses/input_tokens``) and Gemini (``POST /v1beta/models/{model}:countTokens``), in their
+  documented shapes (``simulation.counting``), counted with the prompt counter below; ``script_count`` makes
+  them slow, hang, or answer 429 or 5xx.
 
 Provider request id: the ``X-Request-Id`` header, else ``Idempotency-Key``, else a generated ``chatcmpl-…``;
 it is the response ``id`` and the ``x-request-id`` response header. An id is processed at most once: a
@@ -69,7 +73,7 @@ from simulation.billing import BillingComparison, BillingEntry, BillingLedger
 from simulation.completions import PromptCounter, default_prompt_counter
 from simulation.endpoints import SimulatorServer
 from simulation.exports import ExportFormat, ExportGranularity, render_export
-from simulation.faults import Fault, FaultScripts, LookupFault, Script
+from simulation.faults import CountFault, Fault, FaultScripts, LookupFault, Script
 
 Clock = Callable[[], datetime]
 
@@ -104,6 +108,9 @@ class Simulator:
         self.context_windows = dict(context_windows or {})
         self.ledger = BillingLedger()
         self.faults = FaultScripts()
+        self._counts: list[tuple[str, str, int]] = []
+        self._count_attempts = 0
+        self._counts_lock = threading.Lock()
         self._server: SimulatorServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -193,6 +200,34 @@ class Simulator:
     ) -> None:
         """Misbehave on the next ``count`` lookups. Raises ``ValueError`` for an unknown fault."""
         self.faults.add_lookup(LookupFault(fault), count=count, request_id=request_id, delay_s=delay_s)
+
+    def script_count(self, fault: CountFault | str, *, count: int = 1, delay_s: float = 0.0) -> None:
+        """Misbehave on the next ``count`` counting requests (any of the three APIs).
+
+        Raises ``ValueError`` for an unknown fault, a non-positive count or a negative delay.
+        """
+        self.faults.add_count(CountFault(fault), count=count, delay_s=delay_s)
+
+    def note_count_attempt(self) -> None:
+        """Note one counting request as it arrives, whatever its answer (the endpoints call it)."""
+        with self._counts_lock:
+            self._count_attempts += 1
+
+    @property
+    def count_attempts(self) -> int:
+        """How many counting requests arrived, answered or not."""
+        with self._counts_lock:
+            return self._count_attempts
+
+    def record_count(self, api: str, model: str, tokens: int) -> None:
+        """Note one answered counting request (the endpoints call it)."""
+        with self._counts_lock:
+            self._counts.append((api, model, tokens))
+
+    def counts(self) -> list[tuple[str, str, int]]:
+        """Every answered counting request, oldest first: (API, model, tokens)."""
+        with self._counts_lock:
+            return list(self._counts)
 
     def clear_scripts(self) -> None:
         """Forget every queued script."""

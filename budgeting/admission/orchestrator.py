@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from budgeting.admission import drift
 from budgeting.admission.count_cache import count_cache
+from budgeting.admission.counters.service import provider_count_for
 from budgeting.admission.decision_memo import Prepared, decision_memo, memo_key, memoizable
 from budgeting.admission.models import Answer, Manifest
 from budgeting.admission.request import AdmissionRequest
@@ -23,12 +26,12 @@ from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.catalog.snapshot import Caller, Resolved
 from budgeting.observability import metrics, tracing
 from ladder.components import ComponentError, Components, Limits
-from ladder.counting import CountingUnavailable, rendered_digest
+from ladder.counting import CountingUnavailable, SegmentCounter, rendered_digest
 from ladder.decide import ESTIMATOR_REVISION, decide
 from ladder.decision import Decision
 from ladder.messages import build_payload
 from ladder.parser import parse_components
-from ladder.rungs import minimum_evidence_ids
+from ladder.rungs import ModelSpec, minimum_evidence_ids
 from ladder.wire import decision_manifest, decision_response, step_json
 from ledger.errors import QuotaExceeded
 from ledger.models import Reservation, State
@@ -94,11 +97,15 @@ def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
             activePolicyRevision=resolved.policy_revision,
         )
     version = caller.snapshot.version
-    # Not keyed (no encoding of the body for nothing) with the memo off or while the catalog has no version.
-    keyed = None if version is None or not decision_memo().max_bytes else memo_key(request, version)
+    policy = caller.snapshot.policy
+    drifted = drift.falling_back(None if policy is None else policy.counter_drift)
+    # Not keyed (no encoding of the body for nothing) with the memo off, while the catalog has no version, or
+    # while a counter's drift makes its counting unavailable (a remembered decision would not know).
+    memo_off = not decision_memo().max_bytes or bool(drifted)
+    keyed = None if version is None or memo_off else memo_key(request, version)
     prepared = None if keyed is None else _remembered(caller, keyed[0], resolved)
     if prepared is None:
-        prepared = _decide(caller, request, resolved)
+        prepared = _decide(caller, request, resolved, drifted)
         if keyed is not None and memoizable(prepared.decision):
             decision_memo().put(keyed[0], prepared, keyed[1])
         decision = prepared.decision
@@ -125,13 +132,33 @@ def _remembered(caller: Caller, key: str, resolved: Resolved) -> Prepared | None
     return prepared
 
 
-def _decide(caller: Caller, request: AdmissionRequest, r: Resolved) -> Prepared:
+def _counter_for(
+    caller: Caller, drifted: frozenset[tuple[str, str]]
+) -> Callable[[ModelSpec], SegmentCounter]:
+    """The counters of this admission: a model whose counter drifted out of the policy's bound (with
+    ``onExceeded: COUNTING_UNAVAILABLE``) cannot count, so the task's counting-unavailable rule decides."""
+
+    def counter_for(spec: ModelSpec) -> SegmentCounter:
+        method = "EXACT" if spec.provider_counter is None else "PROVIDER_COUNT"
+        if (spec.id, method) in drifted:
+            raise CountingUnavailable(
+                f"the {method} counter of {spec.id} drifted out of the policy's counterDrift bound"
+            )
+        return tracing.TracedCounter(caller.snapshot.counter_for(spec))
+
+    return counter_for
+
+
+def _decide(
+    caller: Caller, request: AdmissionRequest, r: Resolved, drifted: frozenset[tuple[str, str]]
+) -> Prepared:
     try:
         components = parse_components(request.components, limits=LIMITS)
     except ComponentError as exc:
         raise InvalidInput(exc.message, code="INVALID_COMPONENTS", path=exc.path, reason=exc.code) from None
     full_payload = build_payload(components)
     started = time.perf_counter()
+    cache = count_cache().under_policy(r.policy_revision)
     with tracing.span("admission.ladder") as span:
         try:
             decision = decide(
@@ -142,8 +169,9 @@ def _decide(caller: Caller, request: AdmissionRequest, r: Resolved) -> Prepared:
                 task_policy=r.task_policy,
                 global_cap=r.global_cap,
                 fallback_models=r.fallback_specs,
-                counter_for=lambda spec: tracing.TracedCounter(caller.snapshot.counter_for(spec)),
-                cache=count_cache().under_policy(r.policy_revision),
+                counter_for=_counter_for(caller, drifted),
+                cache=cache,
+                provider_count=provider_count_for(r.pool, caller.snapshot.models, cache),
             )
         except CountingUnavailable as exc:
             raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None

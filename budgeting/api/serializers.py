@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from ladder.counting import CountMethod
+
+COUNT_METHODS = get_args(CountMethod)
 
 MAX_TOKENS = 10_000_000
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,199}$"
@@ -221,7 +225,13 @@ class DecisionOut(serializers.Serializer):
     fits = serializers.BooleanField()
     rung = serializers.CharField(allow_null=True)
     tokens = TokensOut()
-    countMethod = serializers.CharField(allow_null=True)
+    countMethod = serializers.ChoiceField(
+        choices=COUNT_METHODS,
+        allow_null=True,
+        help_text="EXACT: the model's tokenizer, proven equal to the vendor's; UPPER_BOUND: an approved "
+        "bound that never undercounts; PROVIDER_COUNT: the provider's counting API counted the final payload "
+        "(its estimate, never called exact); null: nothing was counted",
+    )
     renderedDigest = serializers.CharField(help_text="digest of the full (not degraded) payload")
     budget = BudgetOut()
     modelRevision = serializers.CharField()
@@ -351,7 +361,7 @@ class ManifestSummaryOut(serializers.Serializer):
     decision = serializers.CharField()
     rung = serializers.CharField(allow_null=True)
     policyRevision = serializers.IntegerField(allow_null=True)
-    countMethod = serializers.CharField(allow_null=True)
+    countMethod = serializers.ChoiceField(choices=COUNT_METHODS, allow_null=True, allow_blank=True)
     inputTokens = serializers.IntegerField(allow_null=True)
 
 
@@ -411,7 +421,22 @@ class ReservationOut(serializers.Serializer):
     updatedAt = serializers.DateTimeField()
 
 
-class ReservationAppliedOut(ReservationOut):
+class LifecycleOut(serializers.Serializer):
+    """A lifecycle call's answer: the reservation's state, amounts and lease as the call left them. The
+    whole detail (usage events, ledger entries, holds, manifest) is ``GET /reservations/{id}``'s."""
+
+    reservationId = serializers.UUIDField()
+    state = serializers.CharField()
+    outcome = serializers.CharField(allow_null=True)
+    input = InputOut()
+    output = OutputOut()
+    concurrencyHeld = serializers.BooleanField()
+    providerRequestId = serializers.CharField(allow_null=True)
+    lease = LeaseOut()
+    failureReason = serializers.CharField(allow_null=True)
+
+
+class LifecycleAppliedOut(LifecycleOut):
     applied = serializers.BooleanField(help_text="false when this event id was already recorded (a repeat)")
 
 

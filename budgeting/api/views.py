@@ -30,10 +30,11 @@ from budgeting.api.serializers import (
     FailIn,
     FenceIn,
     IndexOut,
+    LifecycleAppliedOut,
+    LifecycleOut,
     OutcomeIn,
     ProblemOut,
     QueuedOut,
-    ReservationAppliedOut,
     ReservationOut,
     ShadowOut,
     TopUpIn,
@@ -43,6 +44,7 @@ from budgeting.catalog.errors import InvalidInput, NotFound
 from budgeting.catalog.models import ServiceClient
 from budgeting.catalog.snapshot import Caller
 from ledger import selectors
+from ledger.models import Reservation
 from ledger.services import lifecycle
 
 ERRORS: dict[Any, Any] = {
@@ -50,8 +52,9 @@ ERRORS: dict[Any, Any] = {
     for status in (400, 401, 404, 409, 413, 415, 422, 429, 503)
 }
 LIFECYCLE_ERRORS = (
-    " Answers the reservation as GET does. A stale `fence` or a call out of order is 409; an unknown "
-    "reservation, or one of another tenant, 404."
+    " Answers the reservation's state, amounts and lease as the call left them (the full detail — usage "
+    "events, ledger entries, holds, manifest — is at GET /api/v1/reservations/{id}). A stale `fence` or a "
+    "call out of order is 409; an unknown reservation, or one of another tenant, 404."
 )
 EXAMPLE_REQUEST = {
     "requestId": "req-74d1",
@@ -303,16 +306,15 @@ class ReservationView(TenantScopedView):
 
 
 class _LifecycleView(TenantScopedView):
-    def respond(self, reservation_id: uuid.UUID, **extra: Any) -> Response:
-        reservation = selectors.reservation_for(reservation_id, self.tenant_ids())
-        assert reservation is not None
-        return Response({**selectors.reservation_detail(reservation), **extra})
+    def respond(self, reservation: Reservation, **extra: Any) -> Response:
+        """The reservation as the call left it (the row it wrote: no statement of its own)."""
+        return Response({**selectors.lifecycle_answer(reservation), **extra})
 
 
 class DispatchView(_LifecycleView):
     @extend_schema(
         request=DispatchIn,
-        responses={200: ReservationOut, **ERRORS},
+        responses={200: LifecycleOut, **ERRORS},
         operation_id="dispatchReservation",
         summary="Record the provider call as sent",
         description="Call it before the provider call: the admitted payload's digest must match."
@@ -321,7 +323,7 @@ class DispatchView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(DispatchIn, request.data)
-        lifecycle.dispatch(
+        reservation = lifecycle.dispatch(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -329,13 +331,13 @@ class DispatchView(_LifecycleView):
             admitted_digest=body["admittedDigest"],
             now=timezone.now(),
         )
-        return self.respond(rid)
+        return self.respond(reservation)
 
 
 class UsageView(_LifecycleView):
     @extend_schema(
         request=UsageIn,
-        responses={200: ReservationAppliedOut, **ERRORS},
+        responses={200: LifecycleAppliedOut, **ERRORS},
         operation_id="recordUsage",
         summary="Report usage",
         description="Streamed (final false) or final usage; a final report settles the reservation and "
@@ -351,20 +353,20 @@ class UsageView(_LifecycleView):
             final=body["final"],
             cached_input_tokens=body.get("cachedInputTokens"),
         )
-        _, applied = lifecycle.record_usage(
+        reservation, applied = lifecycle.record_usage(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
             usage=usage,
             now=timezone.now(),
         )
-        return self.respond(rid, applied=applied)
+        return self.respond(reservation, applied=applied)
 
 
 class TopUpView(_LifecycleView):
     @extend_schema(
         request=TopUpIn,
-        responses={200: ReservationAppliedOut, **ERRORS},
+        responses={200: LifecycleAppliedOut, **ERRORS},
         operation_id="topUpReservation",
         summary="Reserve more output",
         description="Adds output tokens to a running reservation if the accounts allow it (429 if not); a "
@@ -373,7 +375,7 @@ class TopUpView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(TopUpIn, request.data)
-        _, applied = lifecycle.top_up(
+        reservation, applied = lifecycle.top_up(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -381,13 +383,13 @@ class TopUpView(_LifecycleView):
             output_tokens=body["outputTokens"],
             now=timezone.now(),
         )
-        return self.respond(rid, applied=applied)
+        return self.respond(reservation, applied=applied)
 
 
 class CancelView(_LifecycleView):
     @extend_schema(
         request=FenceIn,
-        responses={200: ReservationOut, **ERRORS},
+        responses={200: LifecycleOut, **ERRORS},
         operation_id="cancelReservation",
         summary="Cancel before dispatch",
         description="Releases everything held by a reservation that was never sent." + LIFECYCLE_ERRORS,
@@ -395,16 +397,16 @@ class CancelView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
-        lifecycle.cancel(
+        reservation = lifecycle.cancel(
             reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], now=timezone.now()
         )
-        return self.respond(rid)
+        return self.respond(reservation)
 
 
 class FailView(_LifecycleView):
     @extend_schema(
         request=FailIn,
-        responses={200: ReservationOut, **ERRORS},
+        responses={200: LifecycleOut, **ERRORS},
         operation_id="failReservation",
         summary="Report a failed provider call",
         description='With whether the request reached the provider (true, false or "unknown") and any usage '
@@ -422,7 +424,7 @@ class FailView(_LifecycleView):
                 input_tokens=raw_usage.get("inputTokens"),
                 final=False,
             )
-        lifecycle.fail(
+        reservation = lifecycle.fail(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             fence=body["fence"],
@@ -431,13 +433,13 @@ class FailView(_LifecycleView):
             usage=usage,
             now=timezone.now(),
         )
-        return self.respond(rid)
+        return self.respond(reservation)
 
 
 class LeaseView(_LifecycleView):
     @extend_schema(
         request=FenceIn,
-        responses={200: ReservationOut, **ERRORS},
+        responses={200: LifecycleOut, **ERRORS},
         operation_id="renewLease",
         summary="Renew the lease",
         description="Extends a long call's lease so the reservation is not reclaimed." + LIFECYCLE_ERRORS,
@@ -445,14 +447,16 @@ class LeaseView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(FenceIn, request.data)
-        lifecycle.renew_lease(reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"])
-        return self.respond(rid)
+        reservation = lifecycle.renew_lease(
+            reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"]
+        )
+        return self.respond(reservation)
 
 
 class OutcomeView(_LifecycleView):
     @extend_schema(
         request=OutcomeIn,
-        responses={200: ReservationOut, **ERRORS},
+        responses={200: LifecycleOut, **ERRORS},
         operation_id="reportOutcome",
         summary="Report the task's outcome",
         description="Whether the task succeeded and which evidence ids the answer cited (quality by rung)."
@@ -461,10 +465,10 @@ class OutcomeView(_LifecycleView):
     def post(self, request: Request, reservation_id: str) -> Response:
         rid = _reservation_id(reservation_id)
         body = self.validated(OutcomeIn, request.data)
-        lifecycle.record_outcome(
+        reservation = lifecycle.record_outcome(
             reservation_id=rid,
             tenant_ids=self.tenant_ids(),
             task_success=body["taskSuccess"],
             cited_evidence_ids=body["citedEvidenceIds"],
         )
-        return self.respond(rid)
+        return self.respond(reservation)

@@ -20,8 +20,9 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
+from budgeting.admission import drift
 from budgeting.backoffice import formats
 from budgeting.backoffice.kit import (
     AuditedAdmin,
@@ -48,6 +49,7 @@ from budgeting.catalog.models import (
     Tokenizer,
 )
 from budgeting.catalog.prices import add_price
+from budgeting.catalog.snapshot import current as current_snapshot
 from budgeting.catalog.tokenizer_assets import sha256_file
 from budgeting.provisioning.document import ENV_NAME
 from ladder.families import FAMILIES
@@ -176,6 +178,8 @@ class ModelRevisionForm(AuditedForm):
             "capabilities",
             "data_residency",
             "safety_tier",
+            "counter",
+            "provider_model",
         ]
 
     def clean_capabilities(self) -> list[str]:
@@ -202,11 +206,13 @@ class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
         "template_family",
         "data_residency",
         "safety_tier",
+        "counter",
         "pool_list",
     ]
     list_filter = ["template_family", "data_residency", "pools"]
     search_fields = ["name"]
     filter_horizontal = ["pools"]
+    readonly_fields = ["counter_drift"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ModelRevision]:
         return super().get_queryset(request).select_related("tokenizer").prefetch_related("pools")
@@ -214,6 +220,45 @@ class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
     @admin.display(description="pools")
     def pool_list(self, obj: ModelRevision) -> str:
         return ", ".join(p.slug for p in obj.pools.all())
+
+    @admin.display(description="counter drift (settled calls)")
+    def counter_drift(self, obj: ModelRevision) -> str:
+        """Each counter's drift from the providers' reports, flagged when out of the policy's bound."""
+        if obj.pk is None:
+            return "—"
+        policy = current_snapshot()[0].policy
+        bound = None if policy is None else policy.counter_drift
+        found = drift.statuses(bound, model_revision=obj.name)
+        if not found:
+            return "no settled call with a provider-reported input yet"
+        return format_html_join(
+            format_html("<br>"),
+            "{}: p50 {} · p99 {} over {} calls — {}",
+            (
+                (
+                    status.count_method,
+                    f"{status.p50:.2%}",
+                    f"{status.p99:.2%}",
+                    status.calls,
+                    _drift_verdict(status),
+                )
+                for status in found
+            ),
+        )
+
+
+def _drift_verdict(status: drift.DriftStatus) -> str:
+    if status.exceeded:
+        assert status.bound is not None
+        fallback = " (counting unavailable: the policy falls back)" if status.falls_back else ""
+        return f"OUT OF BOUND (p99 ≤ {status.bound.max_p99:.2%}){fallback}"
+    if status.bounded:
+        return "within bound"
+    if status.bound is None:
+        return "no bound in the policy"
+    if status.count_method not in drift.BOUNDED_METHODS:
+        return "a bound overcounts by design: not bounded"
+    return f"fewer than {status.bound.min_calls} calls: no verdict yet"
 
 
 class ApiTokenInline(ReadOnly, admin.TabularInline[ApiToken, ServiceClient]):

@@ -163,6 +163,15 @@ class ImageFormula(models.TextChoices):
     PIXELS_750 = "pixels750", "width × height / 750"
 
 
+class Counter(models.TextChoices):
+    """What counts a model revision's final payload (SPEC §4 "Counters"; ``countMethod`` follows from it)."""
+
+    LOCAL = "local", "Its tokenizer (EXACT)"
+    ANTHROPIC = "anthropic", "Anthropic count_tokens (PROVIDER_COUNT)"
+    GEMINI = "gemini", "Gemini countTokens (PROVIDER_COUNT)"
+    OPENAI = "openai", "OpenAI responses/input_tokens (PROVIDER_COUNT)"
+
+
 class ModelRevision(models.Model):
     name = models.CharField(max_length=100, unique=True, help_text="model@YYYY-MM-DD")
     pools = models.ManyToManyField(ModelPool, related_name="revisions")
@@ -176,6 +185,18 @@ class ModelRevision(models.Model):
     capabilities = models.JSONField(default=list, help_text='Subset of ["tools", "json_schema", "vision"].')
     data_residency = models.CharField(max_length=32)
     safety_tier = models.PositiveSmallIntegerField(default=1)
+    counter = models.CharField(
+        max_length=16,
+        choices=Counter.choices,
+        default=Counter.LOCAL,
+        help_text="Who counts the final payload: the tokenizer, or the provider's counting API through the "
+        "pool's provider base URL and key (the tokenizer then only guides the ladder's walk).",
+    )
+    provider_model = models.CharField(
+        max_length=100,
+        blank=True,
+        help_text="The model id the counting API is asked about (empty: the name before the @).",
+    )
 
     class Meta:
         ordering = ["name"]

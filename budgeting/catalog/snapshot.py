@@ -98,6 +98,7 @@ def model_spec(revision: ModelRevision) -> ModelSpec:
         safety_tier=revision.safety_tier,
         tokenizer_digest=revision.tokenizer.digest,
         upper_bound=cast(UpperBoundRule, revision.tokenizer.upper_bound_rule) or None,
+        provider_counter=None if revision.counter == "local" else revision.counter,
     )
 
 

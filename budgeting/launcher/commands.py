@@ -50,6 +50,9 @@ DEMO_FILE = BASE_DIR / "budgeting" / "demo" / "demo.yaml"
 ADMIN_USERNAME = "admin"
 HTTP_READY_SECONDS = 60.0
 DEMO_LEASE_SECONDS = 15
+# Where the demo file's eu-frontier pool expects the provider simulator; with another SIMULATOR_PORT, change
+# the pool's provider base URL too.
+DEMO_SIMULATOR_PORT = 8090
 MAX_WEB_WORKERS = 4
 SECRET_KEY_FILE = "secret_key"
 METRICS_TOKEN_FILE = "metrics_token"
@@ -124,7 +127,7 @@ def demo_environment(root: Path) -> None:
 
 
 def programs(api_socket: int, root: Path) -> list[Program]:
-    """gunicorn, the Celery worker and Celery beat.
+    """gunicorn, the provider simulator, the Celery worker and Celery beat.
 
     Two gunicorn masters serve the API's socket (the file descriptor ``api_socket``, see ``listen``) once
     there are two workers to share, so that the API keeps answering while one master is being restarted.
@@ -146,8 +149,15 @@ def programs(api_socket: int, root: Path) -> list[Program]:
         )
         for index in range(masters)
     ]  # fmt: skip
+    # The demo's provider (the pool eu-frontier counts through its counting APIs): a separate process, so
+    # that production code never imports the simulator.
+    simulator = Program(
+        "provider simulator",
+        [python, "-m", "simulation", "--port", os.environ.get("SIMULATOR_PORT", str(DEMO_SIMULATOR_PORT))],
+    )
     return [
         *web,
+        simulator,
         Program("celery worker", [python, "-m", "celery", "-A", "budgeting", "worker", "--loglevel", "INFO"]),
         Program(
             "celery beat",
@@ -208,6 +218,8 @@ def run(stack: contextlib.ExitStack) -> int:
         f"OpenAPI schema  {base}/api/v1/schema",
         f"Metrics         {base}/metrics  ({metrics_access(root)})",
         f"Leases          {os.environ['LEASE_SECONDS']}s (LEASE_SECONDS)",
+        f"Provider        http://{LOOPBACK}:{os.environ.get('SIMULATOR_PORT', DEMO_SIMULATOR_PORT)} "
+        "(the simulator: pool eu-frontier counts through its counting APIs)",
         f"Web workers     {os.environ['WEB_CONCURRENCY']} (WEB_CONCURRENCY), {masters} gunicorn master(s)",
         *services.describe(),
         f"Restarts        whatever dies, with backoff; {policy.crash_loop_deaths} deaths of one process "

@@ -31,11 +31,23 @@ from django.db.models.functions import Cast, Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest, multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from budgeting.admission import drift
 from budgeting.admission.models import Manifest
+from budgeting.catalog.models import Counter as CounterKind
+from budgeting.catalog.models import ModelRevision
+from budgeting.catalog.snapshot import current as current_snapshot
 from budgeting.observability.alerts.collector import AccountCollector
 from ledger.models import Reservation, State
 from ledger.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
@@ -63,6 +75,32 @@ LADDER_LATENCY = Histogram(
     buckets=LATENCY_BUCKETS,
     registry=None,
 )
+
+
+PROVIDER_COUNTS = Counter(
+    "tokenbudget_provider_counts",
+    "Provider counting API counts asked by admissions, by counter and outcome (counted, cached, "
+    "circuit_open, timeout, rate_limited, server, unreachable, refused, malformed).",
+    ["counter", "outcome"],
+    registry=None,
+)
+COUNTING_CIRCUIT_OPEN = Gauge(
+    "tokenbudget_counting_circuit_open",
+    "1 while a counting API's circuit breaker is open in some worker (its models' counting is unavailable).",
+    ["counter", "endpoint"],
+    registry=None,
+    multiprocess_mode="max",
+)
+
+
+def count_provider_count(counter: str, outcome: str) -> None:
+    """Count one provider count asked by an admission, by how it ended."""
+    PROVIDER_COUNTS.labels(counter=counter, outcome=outcome).inc()
+
+
+def set_counting_circuit(counter: str, endpoint: str, opened: bool) -> None:
+    """Show whether the breaker of a counting API endpoint is open."""
+    COUNTING_CIRCUIT_OPEN.labels(counter=counter, endpoint=endpoint).set(1 if opened else 0)
 
 
 def observe_admission_latency(seconds: float, rung: str) -> None:
@@ -97,6 +135,7 @@ class DatabaseCollector(Collector):
 
     def _families(self, now: datetime) -> Iterator[Metric]:
         yield self._admissions()
+        yield self._count_methods()
         yield self._hard_bucket_changes()
         yield self._deviation()
         yield from self._overruns()
@@ -105,6 +144,56 @@ class DatabaseCollector(Collector):
         yield from self._backlog(now)
         yield from self._quality()
         yield from self._cost_drift()
+        yield from self._counter_drift()
+
+    def _count_methods(self) -> Metric:
+        family = CounterMetricFamily(
+            "tokenbudget_admission_count_methods",
+            "Admission decisions by the model revision counted for and the count method that answered "
+            "(EXACT, UPPER_BOUND, PROVIDER_COUNT; empty when nothing was counted).",
+            labels=["model_revision", "count_method"],
+        )
+        rows = Manifest.objects.values_list("model_revision__name", "count_method").annotate(n=Count("pk"))
+        for name, method, n in rows.order_by():
+            family.add_metric([name, method], n)
+        return family
+
+    def _counter_drift(self) -> Iterator[Metric]:
+        """Each counter's drift from the providers' reports (``budgeting.admission.drift``), and whether each
+        model revision's counter is out of the active policy's bound (0 without a bound or a verdict)."""
+        policy = current_snapshot()[0].policy
+        bound = None if policy is None else policy.counter_drift
+        found = {(status.model_revision, status.count_method): status for status in drift.statuses(bound)}
+        ratio = GaugeMetricFamily(
+            "tokenbudget_counter_drift_ratio",
+            "|provider-reported input − admitted count| / admitted count over the latest settled calls, by "
+            "model revision, counter (count method) and quantile.",
+            labels=["model_revision", "count_method", "quantile"],
+        )
+        calls = GaugeMetricFamily(
+            "tokenbudget_counter_drift_calls",
+            "Settled calls the drift quantiles are over.",
+            labels=["model_revision", "count_method"],
+        )
+        for (name, method), status in found.items():
+            ratio.add_metric([name, method, "0.5"], status.p50)
+            ratio.add_metric([name, method, "0.99"], status.p99)
+            calls.add_metric([name, method], status.calls)
+        exceeded = GaugeMetricFamily(
+            "tokenbudget_counter_drift_exceeded",
+            "1 when the model revision's counter drifted out of the policy's counterDrift bound; "
+            "fallback=1 when the policy then makes its counting unavailable.",
+            labels=["model_revision", "count_method", "fallback"],
+        )
+        for name, counter in ModelRevision.objects.values_list("name", "counter"):
+            method = "EXACT" if counter == CounterKind.LOCAL else "PROVIDER_COUNT"
+            verdict = found.get((name, method))
+            out = verdict is not None and verdict.exceeded
+            fallback = verdict is not None and verdict.falls_back
+            exceeded.add_metric([name, method, "1" if fallback else "0"], 1 if out else 0)
+        yield ratio
+        yield calls
+        yield exceeded
 
     def _admissions(self) -> Metric:
         family = CounterMetricFamily(
@@ -308,6 +397,8 @@ def registry(now: datetime | None = None) -> CollectorRegistry:
     else:
         scrape.register(ADMISSION_LATENCY)
         scrape.register(LADDER_LATENCY)
+        scrape.register(PROVIDER_COUNTS)
+        scrape.register(COUNTING_CIRCUIT_OPEN)
     return scrape
 
 

@@ -17,6 +17,7 @@ from budgeting.catalog.models import (
     CAPABILITIES,
     TEMPLATE_FAMILIES,
     ApiToken,
+    Counter,
     ImageFormula,
     ModelPool,
     ModelRevision,
@@ -228,6 +229,8 @@ def _model_revisions(doc: dict[str, Any], tokenizers: dict[str, str], pools: set
                 "capabilities",
                 "dataResidency",
                 "safetyTier",
+                "counter",
+                "providerModel",
             },
         )
         window = r.positive("contextWindow")
@@ -266,6 +269,8 @@ def _model_revisions(doc: dict[str, Any], tokenizers: dict[str, str], pools: set
             ("capabilities", "capabilities", sorted(capabilities)),
             ("data_residency", "dataResidency", r.get("dataResidency", str, required=True)),
             ("safety_tier", "safetyTier", r.positive("safetyTier", required=False) or 1),
+            ("counter", "counter", r.choice("counter", {c.value for c in Counter}, Counter.LOCAL)),
+            ("provider_model", "providerModel", r.get("providerModel", str, "")),
         ]
         out.append(wanted("model revision", name, ModelRevision, {"name": name}, fields))
     return out

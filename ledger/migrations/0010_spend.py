@@ -38,7 +38,7 @@ DROP FUNCTION IF EXISTS ledger_price_history_kept();
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0018_price_cached_input"),
+        ("budgeting", "0019_price_cached_input"),
         ("ledger", "0009_require_holds"),
     ]
 

@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Subquery
+from django.utils import timezone
 
 from budgeting.catalog.errors import Conflict, NotFound
 from budgeting.catalog.models import ModelPool
@@ -368,8 +369,43 @@ def fail(
     return with_retries(attempt)
 
 
+# The columns a lifecycle answer shows (``ledger.selectors.lifecycle_answer``), read back by the renewal.
+_ANSWERED = (
+    "id, state, outcome, fence, lease_expires_at, input_reserved, input_consumed, input_reported, "
+    "output_reserved, top_ups, captured, remaining, released, overrun, concurrency_held, "
+    "provider_request_id, failure_reason"
+)
+_RENEWABLE = [State.RESERVED, State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED]
+# One statement that commits itself: the fence and the state are the UPDATE's own conditions (the row lock it
+# takes is the one a locked read would take), the expiry is measured on the database clock.
+_RENEW_SQL = f"""
+UPDATE ledger_reservation
+   SET lease_expires_at = clock_timestamp() + %s::int * interval '1 second', updated_at = %s
+ WHERE id = %s AND tenant_id = ANY(%s::bigint[]) AND fence = %s AND state = ANY(%s::text[])
+RETURNING {_ANSWERED}
+"""
+
+
 def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
-    """Push the lease expiry out by LEASE_SECONDS from the database clock."""
+    """Push the lease expiry out by LEASE_SECONDS from the database clock: one statement when the fence is
+    current and the state renewable. Raises NotFound, StaleFence, or InvalidTransition (settled, rejected,
+    queued or reconciling)."""
+    renewed = list(
+        Reservation.objects.raw(
+            _RENEW_SQL,
+            [
+                settings.LEASE_SECONDS,
+                timezone.now(),
+                reservation_id,
+                list(tenant_ids),
+                fence,
+                [str(state) for state in _RENEWABLE],
+            ],
+        )
+    )
+    if renewed:
+        return renewed[0]
+    # Why not: the locked row says (a reservation that became renewable since is renewed here).
     with transaction.atomic(durable=True):
         reservation = _locked(reservation_id, tenant_ids, fence)
         if reservation.state in {State.SETTLED, State.REJECTED, State.RECONCILING, State.PROPOSED}:

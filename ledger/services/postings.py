@@ -234,8 +234,10 @@ _MOVE_WITHIN_LIMITS = """
 
 
 def _update_sql(reservation: Reservation) -> tuple[str, list[Any]]:
-    """The reservation's UPDATE as ``save()`` would run it (auto_now fields included)."""
-    fields = [f for f in Reservation._meta.concrete_fields if not f.primary_key]
+    """The reservation's UPDATE as ``save()`` would run it (auto_now fields included): the fields it loaded
+    (a deferred one it never read is left as it is)."""
+    deferred = reservation.get_deferred_fields()
+    fields = [f for f in Reservation._meta.concrete_fields if not f.primary_key and f.attname not in deferred]
     query = UpdateQuery(Reservation)
     query.add_update_fields([(f, None, f.pre_save(reservation, False)) for f in fields])
     query.add_q(Q(pk=reservation.pk))

@@ -118,6 +118,43 @@ def test_real_answers_validate_against_their_schemas(demo_api):
     validate(schema, "recordUsage", 200, used.json())
     validate(schema, "getReservation", 200, demo_api.get(url).json())
     validate(schema, "apiIndex", 200, demo_api.get("/api/v1/").json())
+    # An admission dispatched by itself, and the admission's answer with it.
+    dispatching = {**request_body(requestId="r-openapi-2"), "dispatch": {"providerRequestId": "p-openapi-2"}}
+    admitted = post(demo_api, "/api/v1/admissions", dispatching, HTTP_IDEMPOTENCY_KEY="k-openapi-2")
+    assert admitted.json()["state"] == "DISPATCHED"
+    validate(schema, "admit", 201, admitted.json())
+
+
+def declared_fields(schema: dict[str, Any], operation_id: str) -> set[str]:
+    declared = operations(schema)[operation_id]["responses"]["200"]["content"]["application/json"]
+    return set(resolved(schema, declared["schema"])["properties"])
+
+
+def test_every_lifecycle_answer_is_exactly_what_its_schema_declares(demo_api):
+    """No field beyond the declared ones (the schema validation above allows extra properties)."""
+    schema = served_schema()
+    calls = [
+        ("renewLease", "lease", {}),
+        ("topUpReservation", "top-up", {"topUpId": "t1", "outputTokens": 5}),
+        ("dispatchReservation", "dispatch", {"providerRequestId": "p-exact"}),
+        ("recordUsage", "usage", {"usageEventId": "u1", "outputTokens": 3, "final": False}),
+        ("failReservation", "fail", {"reason": "timeout", "requestSent": "unknown"}),
+        ("reportOutcome", "outcome", {"taskSuccess": True, "citedEvidenceIds": []}),
+    ]
+    admitted = post(demo_api, "/api/v1/admissions", request_body(), HTTP_IDEMPOTENCY_KEY="k-exact").json()
+    url = f"/api/v1/reservations/{admitted['reservationId']}"
+    for operation_id, action, extra in calls:
+        payload = {"fence": 1, **extra} if action != "outcome" else extra
+        if action == "dispatch":
+            payload["admittedDigest"] = admitted["admittedDigest"]
+        answer = post(demo_api, f"{url}/{action}", payload)
+        assert answer.status_code == 200, (action, answer.json())
+        validate(schema, operation_id, 200, answer.json())
+        assert set(answer.json()) == declared_fields(schema, operation_id), action
+    other = post(demo_api, "/api/v1/admissions", request_body(requestId="r-x"), HTTP_IDEMPOTENCY_KEY="k-x")
+    cancelled = post(demo_api, f"/api/v1/reservations/{other.json()['reservationId']}/cancel", {"fence": 1})
+    validate(schema, "cancelReservation", 200, cancelled.json())
+    assert set(cancelled.json()) == declared_fields(schema, "cancelReservation")
 
 
 def test_a_changed_body_fails_validation(demo_api):
@@ -229,7 +266,7 @@ def test_a_client_generated_from_the_served_schema_runs_the_walkthrough(demo_api
     assert json.loads(run.stdout) == {
         "counted": ["CountOut", 163],
         "admitted": ["AdmittedOut", "RESERVED", 1600],
-        "dispatched": ["ReservationOut", "DISPATCHED"],
-        "used": ["ReservationAppliedOut", True, "SETTLED", 120],
+        "dispatched": ["LifecycleOut", "DISPATCHED"],
+        "used": ["LifecycleAppliedOut", True, "SETTLED", 120],
         "read": ["ReservationOut", "SETTLED", "COMPLETED", ["HOLD", "POST", "RELEASE"]],
     }

@@ -68,10 +68,17 @@ def test_the_demo_applies_its_prices_to_an_empty_database_and_applying_twice_cha
         "model@2026-07-01": ("2026-01-01T00:00:00+00:00", "USD", Decimal("0.27"), Decimal("1.10")),
         "small@2026-05-12": ("2026-01-01T00:00:00+00:00", "USD", Decimal("0.07"), Decimal("0.28")),
         "claude-legacy@2024-03-01": ("2026-01-01T00:00:00+00:00", "USD", Decimal("3.00"), Decimal("15.00")),
+        "claude-sonnet-4-5@2025-09-29": (
+            "2026-01-01T00:00:00+00:00",
+            "USD",
+            Decimal("3.00"),
+            Decimal("15.00"),
+        ),
+        "gemini-2.5-flash@2025-06-17": ("2026-01-01T00:00:00+00:00", "USD", Decimal("0.30"), Decimal("2.50")),
     }
-    assert (
-        ChangeRecord.objects.filter(action="price.add", actor_username__startswith="provision:").count() == 3
-    )
+    assert ChangeRecord.objects.filter(
+        action="price.add", actor_username__startswith="provision:"
+    ).count() == len(prices)
     second = apply_config(load_file(DEMO))
     assert not second.changed, second.summary()
     assert not is_empty()
@@ -145,6 +152,7 @@ def test_a_pool_names_its_provider_adapter_and_key_variables():
     assert pools == {
         "eu-large": ("openai", "openai", "OPENAI_API_KEY", "OPENAI_ADMIN_KEY"),
         "us-small": ("anthropic", "anthropic-messages", "", ""),
+        "eu-frontier": ("simulator", "simulator", "", ""),
     }
     assert not apply_config(doc).changed
 

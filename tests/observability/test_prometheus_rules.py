@@ -30,7 +30,7 @@ def promtool(*args: str) -> str:
 
 @needs_promtool
 def test_promtool_accepts_the_rules():
-    assert "SUCCESS: 6 rules found" in promtool("check", "rules", "alerts.yml")
+    assert "SUCCESS: 7 rules found" in promtool("check", "rules", "alerts.yml")
 
 
 @needs_promtool
