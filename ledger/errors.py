@@ -49,3 +49,12 @@ class Contention(Unavailable):
 class LimitsChanged(Conflict):
     code = "LIMITS_CHANGED"
     title = "The account's limits changed since the page was loaded"
+
+
+class HoldRefused(Exception):
+    """A hold was refused by these accounts' limits and its statement wrote nothing (an internal signal of
+    the ledger's services, turned into QuotaExceeded or a stay in the queue; never an answer)."""
+
+    def __init__(self, account_ids: set[int]) -> None:
+        super().__init__(sorted(account_ids))
+        self.account_ids = account_ids

@@ -8,6 +8,8 @@ Ledger rows cannot be updated or deleted (a trigger refuses it; see migration 00
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from django.db import models
 from django.db.models import F, Q
@@ -123,6 +125,53 @@ class CapacityAccount(models.Model):
     @property
     def label(self) -> str:
         return str(self)
+
+
+# The balance columns of an account, in the order every statement and entry lists them.
+BALANCES = (
+    "input_reserved",
+    "output_reserved",
+    "input_consumed",
+    "output_consumed",
+    "in_flight",
+    "spend_reserved",
+    "spend_consumed",
+)
+MONEY_BALANCES = ("spend_reserved", "spend_consumed")
+"""Balances in the account's currency: a reservation moves them only on the accounts kept in its own
+currency (``ledger/statements.py``); an unpriced reservation moves none."""
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One dimension an account limits: its ``limit`` column (NULL: unlimited) bounds the sum of its ``used``
+    balance columns. ``ledger/statements.py`` writes the SQL predicate of every limit from this table, and
+    ``refuses`` is the same predicate in Python (explaining a refusal after the statement refused it)."""
+
+    dimension: str
+    limit: str
+    used: tuple[str, ...]
+
+    def refuses(self, account: CapacityAccount, added: Mapping[str, int]) -> bool:
+        """Whether adding ``added`` (balance column -> amount) to ``account`` breaks this limit. An addition
+        that does not increase the used sum never does (a release is never refused)."""
+        limit = getattr(account, self.limit)
+        requested = self.requested(added)
+        return limit is not None and requested > 0 and self.usage(account) + requested > limit
+
+    def usage(self, account: CapacityAccount) -> int:
+        return sum(getattr(account, column) for column in self.used)
+
+    def requested(self, added: Mapping[str, int]) -> int:
+        return sum(added.get(column, 0) for column in self.used)
+
+
+LIMITS = (
+    Limit("input", "input_limit", ("input_reserved", "input_consumed")),
+    Limit("output", "output_limit", ("output_reserved", "output_consumed")),
+    Limit("concurrency", "concurrency_limit", ("in_flight",)),
+    Limit("spend", "spend_limit", MONEY_BALANCES),
+)
 
 
 def account_label(scope: str, tenant: str | None, task_class: str | None, pool: str | None) -> str:
@@ -321,8 +370,10 @@ class Reservation(FSMModelMixin, models.Model):
 
     @transition(field=state, source=State.PROPOSED, target=State.REJECTED)
     def reject_queued(self, reason: str) -> None:
+        """A queued request never held anything: its output goes to ``released``, as a settled one's does."""
         self.failure_reason = reason
         self.request_body = None
+        self._release_rest()
 
     @transition(field=state, source=State.RESERVED, target=State.DISPATCHED)
     def dispatch(self, provider_request_id: str) -> None:

@@ -24,7 +24,7 @@ from django.db import connection, transaction
 from django.db.models import Sum
 
 from budgeting.catalog.models import ModelPool
-from ledger import locks
+from budgeting.db.cursor import db_now as read_db_now
 from ledger.models import Reservation, State
 from ledger.services import settlement
 from reconciliation.costs import compare_bucket_costs, compare_request_costs
@@ -333,7 +333,7 @@ def _live_provider_ids(provider_request_ids: list[str]) -> set[str]:
         Reservation.objects.filter(
             provider_request_id__in=provider_request_ids,
             state__in=[State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED],
-            lease_expires_at__gt=locks.db_now(),
+            lease_expires_at__gt=read_db_now(),
         ).values_list("provider_request_id", flat=True)
     )
 

@@ -24,6 +24,7 @@ from budgeting.admission.request import AdmissionRequest
 from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, Unavailable, Unprocessable
 from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.catalog.snapshot import Caller, Resolved
+from budgeting.db.rows import RecordInsert
 from budgeting.observability import metrics, tracing
 from ladder.components import ComponentError, Components, Limits
 from ladder.counting import CountingUnavailable, SegmentCounter, rendered_digest
@@ -36,7 +37,6 @@ from ladder.wire import decision_manifest, decision_response, step_json
 from ledger.errors import QuotaExceeded
 from ledger.models import Reservation, State
 from ledger.services import admission as ledger_admission
-from ledger.services.postings import RecordInsert
 
 LIMITS = Limits()
 

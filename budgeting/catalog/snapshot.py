@@ -35,7 +35,7 @@ from budgeting.catalog.models import (
 )
 from budgeting.catalog.prices import FrozenPrice, FrozenPriceAt, price_in_force
 from budgeting.catalog.tokens import note_use
-from budgeting.db import prepared_cursor, this_connection
+from budgeting.db.cursor import prepared_cursor, this_connection
 from ladder.counting import CountingUnavailable, SegmentCounter, UpperBoundRule
 from ladder.counting import ImageFormula as ImageFormulaName
 from ladder.families import load_counter

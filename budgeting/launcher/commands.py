@@ -1,7 +1,8 @@
 """The launcher's two commands: ``run`` serves the demo platform, ``test`` runs pytest.
 
 * ``run`` migrates, provisions the demo file, makes sure an admin superuser exists, collects static files,
-  then supervises gunicorn (two masters serving one socket), a Celery worker, Celery beat and the embedded
+  then supervises nginx (the buffering front, ``front``, when installed) before gunicorn (two masters
+  serving one socket), a Celery worker, Celery beat and the embedded
   servers until Ctrl-C or SIGTERM: what dies is restarted (``supervisor``), a crash loop stops everything.
   It is the demo platform: unless the environment says otherwise, leases last ``DEMO_LEASE_SECONDS`` (so a
   crashed gateway's reservation is reclaimed within seconds, e.g. during ``manage.py simulate``), gunicorn
@@ -28,6 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from budgeting.launcher import front
 from budgeting.launcher.embedded import provide_services
 from budgeting.launcher.processes import (
     BASE_DIR,
@@ -35,6 +37,7 @@ from budgeting.launcher.processes import (
     LOOPBACK,
     LaunchError,
     Stop,
+    free_port,
     generated_secret,
     http_answers,
     listen,
@@ -183,10 +186,25 @@ def run(stack: contextlib.ExitStack) -> int:
     if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
         raise LaunchError(f"PORT={raw_port!r} is not a TCP port number")
     port = int(raw_port)
-    api_socket = stack.enter_context(listen(port))
     root = var_dir()
+    nginx = front.nginx_binary()
+    if nginx is None:
+        say(
+            "nginx is not installed: gunicorn serves the port itself, and a client that sends its request "
+            "slowly holds a web worker meanwhile (apt-get install nginx puts the buffering front before it)"
+        )
+        api_socket = stack.enter_context(listen(port))
+    else:
+        # The public port is nginx's; checked free now so that a taken port is said as plainly as before.
+        listen(port).close()
+        api_socket = stack.enter_context(listen(free_port()))
+        os.environ["TB_BEHIND_FRONT"] = "1"
     demo_environment(root)
     apps = programs(api_socket.fileno(), root)
+    upstream = int(api_socket.getsockname()[1])
+    if nginx is not None:
+        conf = front.prepare(root / "nginx", port, upstream)
+        apps.insert(0, Program("front (nginx)", front.argv(nginx, conf)))
     services = provide_services(stack, prefix="", durable=True)
     if services.postgres or services.redis:
         env_file = root / "embedded.env"
@@ -221,6 +239,9 @@ def run(stack: contextlib.ExitStack) -> int:
         f"Provider        http://{LOOPBACK}:{os.environ.get('SIMULATOR_PORT', DEMO_SIMULATOR_PORT)} "
         "(the simulator: pool eu-frontier counts through its counting APIs)",
         f"Web workers     {os.environ['WEB_CONCURRENCY']} (WEB_CONCURRENCY), {masters} gunicorn master(s)",
+        f"Front           nginx on port {port}, buffering requests, before gunicorn on {LOOPBACK}:{upstream}"
+        if nginx is not None
+        else f"Front           none: gunicorn on port {port} (nginx is not installed)",
         *services.describe(),
         f"Restarts        whatever dies, with backoff; {policy.crash_loop_deaths} deaths of one process "
         f"within {policy.crash_loop_window_s:g}s stop everything",

@@ -19,6 +19,7 @@ from ledger.errors import (
     QuotaExceeded,
 )
 from ledger.models import (
+    LIMITS,
     CapacityAccount,
     EntryKind,
     Period,
@@ -156,12 +157,13 @@ def shortage(
     spend: int = 0,
     currency: str | None = None,
 ) -> QuotaExceeded:
-    """The problem of a refused hold, read from the account's current balances: the first dimension that is
-    short (input, output, concurrency, spend), with what was requested and what is available (money in
-    micro-units, and as a decimal amount of the account's currency).
+    """The problem of a refused hold: the first limit of ``LIMITS`` the hold breaks on the account's
+    balances now (``Limit.refuses``, the statements' predicate in Python), with what was requested and what
+    is available (money in micro-units, and as a decimal amount of the account's currency).
 
     Raises PriceUnavailable when the account has a spend limit in another currency than the request's price
-    (or the request has none): its limit was set after the account list was cached."""
+    (or the request has none): the reserving statement refuses those too (its limit may have been set after
+    the account list was cached)."""
     fresh = CapacityAccount.objects.get(pk=account.pk)
     if fresh.spend_limit is not None and currency != fresh.currency:
         raise PriceUnavailable(
@@ -170,26 +172,19 @@ def shortage(
             account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
             currency=fresh.currency,
         )
-    checks = [
-        ("input", fresh.input_limit, fresh.input_reserved + fresh.input_consumed, input_tokens),
-        ("output", fresh.output_limit, fresh.output_reserved + fresh.output_consumed, output_tokens),
-        ("concurrency", fresh.concurrency_limit, fresh.in_flight, concurrency),
-        ("spend", fresh.spend_limit, fresh.spend_reserved + fresh.spend_consumed, spend),
-    ]
-    short = next(
-        (
-            (dim, limit, used, requested)
-            for dim, limit, used, requested in checks
-            if limit is not None and requested and used + requested > limit
-        ),
-        None,
-    )
+    added = {
+        "input_reserved": input_tokens,
+        "output_reserved": output_tokens,
+        "in_flight": concurrency,
+        "spend_reserved": spend,
+    }
+    short = next((limit for limit in LIMITS if limit.refuses(fresh, added)), None)
     if short is None:
         # The balance moved between the refused UPDATE and this read: say so rather than name a dimension.
         dimension, requested, available = "contended", input_tokens + output_tokens, 0
     else:
-        dimension, limit, used, requested = short
-        available = max((limit or 0) - used, 0)
+        dimension, requested = short.dimension, short.requested(added)
+        available = max(getattr(fresh, short.limit) - short.usage(fresh), 0)
     retry_after = 1 if dimension in {"concurrency", "contended"} else 60
     if dimension == "spend":
         money = {

@@ -14,22 +14,14 @@ from django.db import IntegrityError, transaction
 
 from budgeting.catalog.errors import Conflict
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
-from budgeting.catalog.prices import FrozenPrice
+from budgeting.db.cursor import db_now as read_db_now
+from budgeting.db.rows import RecordInsert
 from ledger import locks
-from ledger.errors import (
-    IdempotencyConflict,
-    PriceUnavailable,
-    QuotaExceeded,
-)
-from ledger.models import (
-    CapacityAccount,
-    EntryKind,
-    Hold,
-    Reservation,
-    State,
-)
+from budgeting.catalog.prices import FrozenPrice
+from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, QuotaExceeded
+from ledger.models import CapacityAccount, Reservation, State
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
-from ledger.services.postings import HoldRefused, RecordInsert, hold_new_reservation, write_entries
+from ledger.services.postings import hold_new_reservation, hold_queued_reservation
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -197,8 +189,7 @@ def reserve(
     require_price(accounts, spec.price)
 
     def attempt() -> Reservation:
-        clock = db_now or locks.db_now()
-        assert isinstance(clock, datetime)
+        clock = db_now or read_db_now()
         reservation = _new_reservation(
             spec,
             State.RESERVED,
@@ -258,8 +249,7 @@ def _enqueue(
 ) -> Admitted:
     try:
         with transaction.atomic(durable=True):
-            db_now = locks.db_now()
-            assert isinstance(db_now, datetime)
+            db_now = read_db_now()
             reservation = _new_reservation(
                 spec,
                 State.PROPOSED,
@@ -278,7 +268,9 @@ def _enqueue(
 def admit_queued(
     *, reservation_id: uuid.UUID, build_body: Callable[[Reservation], dict[str, Any]], now: datetime
 ) -> Reservation | None:
-    """Try to admit one queued reservation: RESERVED if capacity is there now, REJECTED past its deadline.
+    """Try to admit one queued reservation: RESERVED if capacity is there now (held through the same
+    statement as a new reservation's hold), REJECTED past its deadline (its output released: it never held
+    any).
 
     Returns the reservation when its state changed, None when it stays queued (or is not queued any more).
     Safe to run concurrently: the row lock and the state guard decide, so a request is admitted at most once.
@@ -293,48 +285,28 @@ def admit_queued(
     accounts = applicable_accounts(
         tenant=proposed.tenant, task_class=proposed.task_class, pool=proposed.model_pool, now=now
     )
-    with transaction.atomic(durable=True):
-        reservation = locks.lock_reservation(reservation_id)
-        if reservation is None or reservation.state != State.PROPOSED:
-            return None
-        db_now = locks.db_now()
-        assert isinstance(db_now, datetime)
-        if reservation.queue_deadline is not None and reservation.queue_deadline <= db_now:
-            reservation.reject_queued("queue deadline passed")
+    try:
+        with transaction.atomic(durable=True):
+            reservation = locks.lock_reservation(reservation_id)
+            if reservation is None or reservation.state != State.PROPOSED:
+                return None
+            # The database clock, read with the lock: no statement of its own.
+            clock: datetime = reservation.db_now  # type: ignore[attr-defined]
+            if reservation.queue_deadline is not None and reservation.queue_deadline <= clock:
+                reservation.reject_queued("queue deadline passed")
+                reservation.response_body = build_body(reservation)
+                reservation.save()
+                return reservation
+            reservation.admit_from_queue()
+            reservation.concurrency_held = True
+            reservation.failure_reason = ""
+            reservation.lease_expires_at = clock + timedelta(seconds=settings.LEASE_SECONDS)
             reservation.response_body = build_body(reservation)
-            reservation.save()
+            hold_queued_reservation(reservation, [a.pk for a in accounts])
             return reservation
-        # The one UPDATE may have held on the other accounts when one is short: undo exactly that.
-        savepoint = transaction.savepoint()
-        short = locks.reserve_on_accounts(
-            [a.pk for a in accounts],
-            input_tokens=reservation.input_reserved,
-            output_tokens=reservation.output_reserved,
-            concurrency=1,
-            spend=reservation.spend_reserved,
-            currency=reservation.currency,
-        )
-        if short is not None:
-            transaction.savepoint_rollback(savepoint)
-            return None
-        transaction.savepoint_commit(savepoint)
-        reservation.admit_from_queue()
-        reservation.concurrency_held = True
-        reservation.failure_reason = ""
-        reservation.lease_expires_at = db_now + timedelta(seconds=settings.LEASE_SECONDS)
-        reservation.response_body = build_body(reservation)
-        reservation.save()
-        Hold.objects.bulk_create(Hold(reservation=reservation, account=a) for a in accounts)
-        write_entries(
-            reservation,
-            accounts,
-            EntryKind.HOLD,
-            input_reserved=reservation.input_reserved,
-            output_reserved=reservation.output_reserved,
-            in_flight=1,
-            spend_reserved=reservation.spend_reserved,
-        )
-        return reservation
+    except HoldRefused:
+        # Still short: the statement wrote nothing and its transaction rolled back; the request stays queued.
+        return None
 
 
 def queue_position(reservation: Reservation) -> int:

@@ -17,6 +17,7 @@ from django_fsm import TransitionNotAllowed
 
 from budgeting.catalog.changes import Actor, record_change, require_reason
 from budgeting.catalog.errors import InvalidInput, NotFound
+from budgeting.db.cursor import db_now as read_db_now
 from ledger import locks
 from ledger.errors import InvalidTransition
 from ledger.models import (
@@ -99,8 +100,7 @@ class _ClaimFailed(Exception):
 
 def _claim_one_expired(now: datetime, skip: list[uuid.UUID]) -> Claim | uuid.UUID | None:
     with transaction.atomic(durable=True):
-        db_now = locks.db_now()
-        assert isinstance(db_now, datetime)
+        db_now = read_db_now()
         expired = locks.lock_expired_leases(RECLAIMABLE, db_now, 1, exclude=skip)
         if not expired:
             return None
@@ -134,8 +134,7 @@ def _take_over(reservation: Reservation, now: datetime, db_now: datetime) -> Cla
 def claim_reconciling(*, limit: int = 100, min_age_seconds: int = 0) -> list[Claim]:
     """Take the next RECONCILING reservations for a provider lookup by raising their fences (SKIP LOCKED)."""
     with transaction.atomic(durable=True):
-        db_now = locks.db_now()
-        assert isinstance(db_now, datetime)
+        db_now = read_db_now()
         rows = locks.lock_reconciling(db_now - timedelta(seconds=min_age_seconds), limit)
         claims = []
         for reservation in rows:
@@ -183,8 +182,7 @@ def settle_from_evidence(
             if fence is None and reservation.state != State.RECONCILING:
                 # A billing record may settle a dispatched call only once its gateway's lease has run out;
                 # checked here, under the row lock, on the database clock.
-                db_now = locks.db_now()
-                assert isinstance(db_now, datetime)
+                db_now = read_db_now()
                 if reservation.lease_expires_at is not None and reservation.lease_expires_at > db_now:
                     return None
             posts = Postings(reservation, held_account_ids(reservation))

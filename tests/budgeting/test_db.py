@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
-from budgeting import db
+from budgeting.db import cursor as db
 
 pytestmark = pytest.mark.django_db
 

@@ -15,11 +15,11 @@ import pytest
 from django.db import connection, transaction
 
 from budgeting.admission.models import Manifest
+from budgeting.db.rows import RecordInsert
 from ledger.errors import QuotaExceeded
 from ledger.models import CapacityAccount, Hold, LedgerEntry, Reservation
 from ledger.selectors import audit
 from ledger.services import admission as ledger_admission
-from ledger.services.postings import RecordInsert
 from tests.dbwork import count_db_work
 from tests.ledger.helpers import admit, body, catalog, now, pool_account, spec, tenant_account
 

@@ -10,8 +10,8 @@ import pytest
 from django.db import connection
 
 from budgeting.admission.models import Manifest
+from budgeting.db.rows import _columns, _db_value
 from ledger.models import Hold, LedgerEntry, Reservation
-from ledger.services.postings import _columns, _db_value
 
 SAMPLES = {
     str: ["", "sha256:abc", "第七条"],

@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from budgeting.catalog.models import Price
 from budgeting.catalog.prices import FrozenPrice
@@ -200,11 +200,16 @@ def test_without_a_spend_limit_an_unpriced_admission_moves_no_money():
 @pytest.mark.django_db(transaction=True)
 def test_the_database_refuses_money_that_does_not_add_up():
     cat = catalog()
+    tenant = tenant_account(cat)
     r = admit(money_spec(cat, priced(cat))).reservation
     with pytest.raises(IntegrityError), transaction.atomic():
         Reservation.objects.filter(pk=r.pk).update(spend_captured=1)
     with pytest.raises(IntegrityError), transaction.atomic():
-        CapacityAccount.objects.filter(pk=tenant_account(cat).pk).update(spend_reserved=-1)
+        CapacityAccount.objects.filter(pk=tenant.pk).update(spend_reserved=-1)
+    # Its spend is in USD: the account's currency cannot change under it.
+    with pytest.raises(DatabaseError, match="currency cannot change"), transaction.atomic():
+        CapacityAccount.objects.filter(pk=tenant.pk).update(currency="EUR")
+    CapacityAccount.objects.filter(pk=pool_account(cat).pk).update(currency="EUR")  # no spend yet: fine
 
 
 # PostgreSQL here allows 100 connections: 200 admissions run as 50 threads × 4, released by one barrier.

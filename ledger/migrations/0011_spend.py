@@ -35,11 +35,30 @@ DROP TRIGGER IF EXISTS budgeting_price_history_kept ON budgeting_price;
 DROP FUNCTION IF EXISTS ledger_price_history_kept();
 """
 
+# An account's spend balances are in its currency: it changes only while they are zero (no mixed sums). The
+# trigger fires only on an UPDATE naming the column, never on the hot path's balance updates.
+CURRENCY_KEPT = """
+CREATE OR REPLACE FUNCTION ledger_account_currency_kept() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.currency IS DISTINCT FROM OLD.currency AND (OLD.spend_reserved <> 0 OR OLD.spend_consumed <> 0) THEN
+        RAISE EXCEPTION 'account % holds or posted spend in %: its currency cannot change now', OLD.id, OLD.currency
+            USING ERRCODE = 'TB409';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER ledger_capacityaccount_currency_kept BEFORE UPDATE OF currency ON ledger_capacityaccount
+    FOR EACH ROW EXECUTE FUNCTION ledger_account_currency_kept();
+"""
+DROP_CURRENCY_KEPT = """
+DROP TRIGGER IF EXISTS ledger_capacityaccount_currency_kept ON ledger_capacityaccount;
+DROP FUNCTION IF EXISTS ledger_account_currency_kept();
+"""
+
 
 class Migration(migrations.Migration):
     dependencies = [
         ("budgeting", "0019_price_cached_input"),
-        ("ledger", "0009_require_holds"),
+        ("ledger", "0010_rejected_queue_released"),
     ]
 
     operations = [
@@ -195,4 +214,5 @@ class Migration(migrations.Migration):
                 name="reservation_spend_conservation",
             ),
         ),
+        migrations.RunSQL(CURRENCY_KEPT, DROP_CURRENCY_KEPT),
     ]

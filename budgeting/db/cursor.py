@@ -1,8 +1,9 @@
-"""Database helpers below every room: the cursor for statements on the hot path."""
+"""Below every room: the cursor for statements on the hot path, and the database clock."""
 
 from __future__ import annotations
 
 import functools
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -95,3 +96,11 @@ def _kept_cursor(db: BaseDatabaseWrapper, query: str) -> _PreparingCursor:
             kept.clear()
         cursor = kept[query] = _PreparingCursor(raw)
     return cursor
+
+
+def db_now() -> datetime:
+    """The database clock: leases, fences and deadlines never trust an application server's clock."""
+    with this_connection().cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        now: datetime = cursor.fetchone()[0]
+    return now

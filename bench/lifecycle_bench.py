@@ -1,0 +1,413 @@
+"""What every call of the protocol costs, not only the admission (issue 22 §2), each figure with its baseline.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
+        .venv/bin/python bench/lifecycle_bench.py [--cycles 60] [--seconds 6] [--reuse-large]
+
+Two databases, each created, migrated and provisioned with the demo here: ``<name>_bench`` with 10,000
+settled reservations and 50,000 ledger entries on the hot tenant, and ``<name>_bench_large`` with 1,000,000
+and 5,000,000 (written by ``generate_series`` in a few statements, then analysed; ``--reuse-large`` keeps a
+large database an earlier run built). One gunicorn serves each, as ``./platform run`` starts it. In one run:
+  - one client, over HTTP (``http.client``, one connection a call, as the gateway client does): the p50 of
+    every lifecycle call — lease, top-up, dispatch, usage, final usage, cancel, fail — against the p50 of the
+    small admission measured in the same cycles (a cycle admits, then makes each call once, on the small and
+    then the large database, so a machine whose speed drifts moves every figure alike);
+  - the same p50s with the large database against the small one (flat in data: ≤ 1.2);
+  - admit + release (cancel) pairs/s over HTTP with 8 clients against the raw psycopg transactions of the
+    same shape (the reservation with its holds and entries, then the release of it), in two alternated rounds;
+  - EXPLAIN of every statement a lifecycle call and the admission run, on the large database (in-process): a
+    sequential scan of a table that grows with traffic is reported.
+The audit of the small database must be clean at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+import admission_bench
+from admission_bench import CLIENTS, HOT_BODY, RAW_INSERT, RAW_UPDATE, TOKEN, prepare, run_clients
+from path_bench import serve
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL, LARGE = (10_000, 50_000), (1_000_000, 5_000_000)
+CALLS = ("admit", "lease", "top-up", "dispatch", "usage", "usage-final", "cancel", "fail")
+# Tables whose size grows with traffic: a sequential scan of one is a plan that is not flat in data.
+GROWING = ("ledger_reservation", "ledger_ledgerentry", "ledger_hold", "ledger_usageevent", "ledger_topup")
+
+
+def database(suffix: str) -> str:
+    parsed = urlparse(admission_bench.bench_database_url())
+    return urlunparse(parsed._replace(path=parsed.path + suffix))
+
+
+def exists(url: str, size: int) -> bool:
+    import psycopg
+
+    try:
+        with psycopg.connect(url) as conn:
+            row = conn.execute("SELECT count(*) FROM ledger_reservation").fetchone()
+            return row is not None and int(row[0]) >= size
+    except psycopg.OperationalError:
+        return False
+
+
+def fill(url: str, reservations: int, entries: int) -> float:
+    """Settled reservations of the hot tenant, ``entries / reservations`` zero-amount entries each (balances
+    stay the sums of their entries) spread over its accounts; then VACUUM ANALYZE. Returns the seconds."""
+    import psycopg
+
+    started = time.perf_counter()
+    with psycopg.connect(url, autocommit=True) as conn:
+        ids = conn.execute(
+            """SELECT t.id, k.id, p.id, m.id
+                 FROM budgeting_tenant t, budgeting_taskclass k, budgeting_modelpool p,
+                      budgeting_modelrevision m
+                WHERE t.slug = 't-internal' AND k.slug = 'support-chat' AND p.slug = 'eu-large'
+                  AND m.name = 'model@2026-07-01'"""
+        ).fetchone()
+        assert ids is not None, "the demo's hot tenant, task class, pool and model"
+        tenant, task, pool, model = ids
+        accounts = [
+            row[0]
+            for row in conn.execute(
+                "SELECT id FROM ledger_capacityaccount WHERE tenant_id = %s OR tenant_id IS NULL ORDER BY id",
+                (tenant,),
+            )
+        ]
+        conn.execute("SET synchronous_commit = off")
+        conn.execute(
+            """
+            INSERT INTO ledger_reservation (
+                id, tenant_id, task_class_id, model_pool_id, model_revision_id, request_id, idempotency_key,
+                rendered_digest, admitted_digest, rung, mode, state, outcome, input_reserved, input_consumed,
+                output_reserved, top_ups, captured, remaining, released, overrun, concurrency_held,
+                provider_request_id, fence, failure_reason, minimum_evidence_ids, needs_person,
+                provider_adapter, provider_endpoint, request_sent, created_at, updated_at, dispatched_at,
+                settled_at, lease_expires_at)
+            SELECT gen_random_uuid(), %s, %s, %s, %s, 'bulk-' || g, 'bulk-' || g, 'd', 'd', 'FULL', 'ENFORCE',
+                   'SETTLED', 'COMPLETED', 10, 10, 10, 0, 10, 0, 0, 0, false, 'bulk-prov-' || g, 1, '', '[]',
+                   '', 'simulator', '', '', at, at, at, at, at
+              FROM generate_series(1, %s) AS g, LATERAL (SELECT now() - g * interval '1 second' AS at) AS t
+            """,
+            (tenant, task, pool, model, reservations),
+        )
+        conn.execute(
+            """
+            INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
+                input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
+            SELECT a.id, r.id, (ARRAY['HOLD', 'POST', 'POST', 'RELEASE', 'CORRECTION'])[1 + k %% 5],
+                   0, 0, 0, 0, 0, a.period_start, 'bulk', '', r.created_at
+              FROM (SELECT id, created_at, row_number() OVER () AS n FROM ledger_reservation
+                     WHERE request_id LIKE 'bulk-%%') AS r,
+                   generate_series(0, %s - 1) AS k,
+                   LATERAL (SELECT id, period_start FROM ledger_capacityaccount
+                             WHERE id = (%s::bigint[])[1 + (r.n + k) %% %s]) AS a
+            """,
+            (entries // reservations, accounts, len(accounts)),
+        )
+        conn.execute("VACUUM ANALYZE")
+    return time.perf_counter() - started
+
+
+class Client:
+    """HTTP calls against one server, one connection a call."""
+
+    def __init__(self, base: str) -> None:
+        server = urlparse(base)
+        self.host, self.port = server.hostname or "127.0.0.1", server.port
+
+    def post(self, path: str, body: bytes, key: str | None = None) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+        if key:
+            headers["Idempotency-Key"] = key
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        try:
+            connection.request("POST", path, body=body, headers=headers)
+            response = connection.getresponse()
+            answer = response.read()
+        finally:
+            connection.close()
+        if response.status >= 300:
+            raise RuntimeError(f"POST {path}: {response.status} {answer[:300]!r}")
+        return dict(json.loads(answer))
+
+
+def cycle(client: Client, tag: str, times: dict[str, list[float]]) -> None:
+    """One admission and each lifecycle call once, each timed (its body encoded before the clock)."""
+
+    def timed(name: str, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        data = json.dumps(body).encode()
+        start = time.perf_counter()
+        answer = client.post(path, data, key)
+        times[name].append(time.perf_counter() - start)
+        return answer
+
+    def admit(suffix: str) -> tuple[str, dict[str, Any]]:
+        key = f"{tag}-{suffix}"
+        answer = timed("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": key}, key)
+        return f"/api/v1/reservations/{answer['reservationId']}", answer
+
+    base, admitted = admit("a")
+    timed("lease", f"{base}/lease", {"fence": 1})
+    timed("top-up", f"{base}/top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10})
+    dispatch = {"fence": 1, "providerRequestId": f"p-{tag}", "admittedDigest": admitted["admittedDigest"]}
+    timed("dispatch", f"{base}/dispatch", dispatch)
+    timed("usage", f"{base}/usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False})
+    final = {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True}
+    timed("usage-final", f"{base}/usage", final)
+    base, _ = admit("c")
+    timed("cancel", f"{base}/cancel", {"fence": 1})
+    base, admitted = admit("f")
+    dispatch = {"fence": 1, "providerRequestId": f"pf-{tag}", "admittedDigest": admitted["admittedDigest"]}
+    client.post(f"{base}/dispatch", json.dumps(dispatch).encode())
+    timed("fail", f"{base}/fail", {"fence": 1, "reason": "timeout", "requestSent": "unknown"})
+
+
+RAW_LOCK = "SELECT fence, state FROM ledger_reservation WHERE id = %s FOR UPDATE"
+RAW_RELEASE = """
+UPDATE ledger_capacityaccount
+   SET input_reserved = input_reserved - 10, output_reserved = output_reserved - 10, in_flight = in_flight - 1
+ WHERE id = %s
+"""
+RAW_SETTLE = """
+UPDATE ledger_reservation SET state = 'SETTLED', outcome = 'RELEASED', remaining = 0, released = 10,
+       concurrency_held = false, settled_at = now(), updated_at = now()
+ WHERE id = %s
+"""
+RAW_ENTRY = """
+INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
+    input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
+VALUES (%s, %s, %s, %s, %s, 0, 0, %s, now(), '', '', now())
+"""
+
+
+def raw_pairs(url: str, seconds: float, account_ids: list[int], tenant: int, refs: dict[str, int]) -> float:
+    """Admit + release as hand-written psycopg transactions: the reservation, its accounts and entries; then
+    the locked row, the accounts' release, its entries and the settled row. Returns pairs/s."""
+    import psycopg
+
+    conns = [psycopg.connect(url) for _ in range(CLIENTS)]
+
+    def call(i: int, n: int) -> bool:
+        conn = conns[i]
+        rid = uuid.uuid4()
+        key = f"rawpair-{i}-{n}-{time.monotonic_ns()}"
+        with conn.transaction():
+            conn.execute(RAW_INSERT, (rid, tenant, refs["task"], refs["pool"], refs["model"], key, key))
+            for account in account_ids:
+                if conn.execute(RAW_UPDATE, (account,)).rowcount != 1:
+                    raise RuntimeError("baseline ran out of capacity")
+            for account in account_ids:
+                conn.execute(RAW_ENTRY, (account, rid, "HOLD", 10, 10, 1))
+        with conn.transaction():
+            conn.execute(RAW_LOCK, (rid,)).fetchone()
+            for account in account_ids:
+                conn.execute(RAW_RELEASE, (account,))
+            for account in account_ids:
+                conn.execute(RAW_ENTRY, (account, rid, "RELEASE", -10, -10, -1))
+            conn.execute(RAW_SETTLE, (rid,))
+        return True
+
+    try:
+        return run_clients(seconds, call)["admissions_per_s"]
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def http_pairs(base: str, seconds: float) -> float:
+    """``POST /admissions`` then ``POST …/cancel`` from CLIENTS threads. Returns pairs/s."""
+    client = Client(base)
+
+    def call(i: int, n: int) -> bool:
+        key = f"pair-{i}-{n}-{time.monotonic_ns()}"
+        body = json.dumps({**HOT_BODY, "requestId": key}).encode()
+        admitted = client.post("/api/v1/admissions", body, key)
+        cancel = json.dumps({"fence": admitted["lease"]["fence"]}).encode()
+        return (
+            client.post(f"/api/v1/reservations/{admitted['reservationId']}/cancel", cancel)["state"]
+            == "SETTLED"
+        )
+
+    call(0, -1)
+    return run_clients(seconds, call)["admissions_per_s"]
+
+
+def explain(url: str) -> list[str]:
+    """EXPLAIN every statement of an admission and of each lifecycle call, run in a child process on ``url``;
+    returns one line per statement: its first words, and its scans."""
+    result = subprocess.run(
+        [sys.executable, __file__, "--explain-only"],
+        env={**os.environ, "DATABASE_URL": url},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr[-2000:])
+    return result.stdout.splitlines()
+
+
+def explain_here() -> None:
+    """In this process (Django set up on DATABASE_URL): run one cycle through Django's test client, keep
+    every statement with its parameters, and print each one's plan's scans."""
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
+    sys.path.insert(0, str(ROOT))
+    django.setup()
+    from django.db import connection
+    from django.test import Client as DjangoClient
+
+    client = DjangoClient(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    seen: list[tuple[str, str, Any]] = []
+    current = ["?"]
+
+    def keep(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not many and sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "WITH", "DELETE")):
+            seen.append((current[0], sql, params))
+        return execute(sql, params, many, context)
+
+    def post(name: str, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        current[0] = name
+        if key:
+            res = client.post(path, body, content_type="application/json", HTTP_IDEMPOTENCY_KEY=key)
+        else:
+            res = client.post(path, body, content_type="application/json")
+        assert res.status_code in (200, 201), res.content[:300]
+        return dict(res.json())
+
+    warm = f"explain-warm-{time.time_ns()}"
+    post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": warm}, warm)
+    tag = f"explain-{time.time_ns()}"
+    with connection.execute_wrapper(keep):
+        admitted = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag}, tag)
+        base = f"/api/v1/reservations/{admitted['reservationId']}"
+        post("lease", f"{base}/lease", {"fence": 1})
+        post("top-up", f"{base}/top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10})
+        dispatch = {"fence": 1, "providerRequestId": f"p-{tag}", "admittedDigest": admitted["admittedDigest"]}
+        post("dispatch", f"{base}/dispatch", dispatch)
+        post("usage", f"{base}/usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False})
+        post(
+            "usage-final",
+            f"{base}/usage",
+            {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True},
+        )
+        other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
+        post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
+    with connection.cursor() as cursor:
+        for name, sql, params in seen:
+            cursor.execute(f"EXPLAIN {sql}", params)
+            plan = [row[0] for row in cursor.fetchall()]
+            scans = sorted(
+                {re.sub(r"^\s*(->\s*)?", "", line).split("  (")[0] for line in plan if "Scan " in line}
+            )
+            seq = [s for s in scans if s.startswith("Seq Scan") and any(f" {t} " in f"{s} " for t in GROWING)]
+            words = " ".join(sql.split()[:3])[:40]
+            print(f"{name:12} {words:40} {'SEQ SCAN OF A GROWING TABLE ' if seq else ''}{'; '.join(scans)}")
+
+
+# As ``admission_bench.hot_shape`` lifts them on the small database: a failed call keeps its slot held.
+LIFT_LIMITS = (
+    "UPDATE ledger_capacityaccount SET concurrency_limit = NULL, input_limit = 10000000000000,"
+    " output_limit = 1000000000000"
+)
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cycles", type=int, default=60)
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--reuse-large", action="store_true")
+    parser.add_argument("--scale", type=float, default=1.0, help="of the large database (a quick look: 0.05)")
+    parser.add_argument("--explain-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.explain_only:
+        explain_here()
+        return
+    small_url, large_url = database(""), database("_large")
+    large = (int(LARGE[0] * args.scale), int(LARGE[1] * args.scale))
+    prepare(small_url)
+    filled = {"small": fill(small_url, *SMALL)}
+    if not (args.reuse_large and exists(large_url, large[0])):
+        prepare(large_url)
+        filled["large"] = fill(large_url, *large)
+    os.environ["DATABASE_URL"] = small_url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    import psycopg
+
+    from ledger.selectors import audit
+
+    account_ids, tenant_id, refs = admission_bench.hot_shape()  # limits lifted: throughput is measured
+    with psycopg.connect(large_url, autocommit=True) as conn:
+        conn.execute(LIFT_LIMITS)
+    plans = explain(large_url)
+
+    servers = {name: serve(url, "sync") for name, url in (("small", small_url), ("large", large_url))}
+    times: dict[str, dict[str, list[float]]] = {name: {call: [] for call in CALLS} for name in servers}
+    pairs: dict[str, list[float]] = {"raw": [], "http": []}
+    try:
+        clients = {name: Client(base) for name, (_, base) in servers.items()}
+        run = time.time_ns()
+        for n in range(-10, args.cycles):
+            for name, client in clients.items():
+                into = times[name] if n >= 0 else {call: [] for call in CALLS}  # ten warm-up cycles
+                cycle(client, f"{name}-{run}-{n}", into)
+        for _ in range(2):
+            pairs["raw"].append(raw_pairs(small_url, args.seconds / 2, account_ids, tenant_id, refs))
+            pairs["http"].append(http_pairs(servers["small"][1], args.seconds / 2))
+    finally:
+        for process, _ in servers.values():
+            process.terminate()
+            process.wait(timeout=30)
+    report = audit()
+
+    ms = "{:6.2f} ms".format
+    print(
+        f"databases: small {SMALL[0]:,} reservations / {SMALL[1]:,} entries, large {large[0]:,} / "
+        f"{large[1]:,} (filled in {', '.join(f'{k} {v:.0f} s' for k, v in filled.items()) or 'reused'}); "
+        f"{args.cycles} cycles; gunicorn sync workers; one connection a call"
+    )
+    small_admit = p50(times["small"]["admit"])
+    print(
+        f"{'call':12} {'p50 small':>10} {'÷ admit':>8} {'p50 large':>10} {'large÷small':>12}"
+        "  goals ≤ 1.0, ≤ 1.2"
+    )
+    for call in CALLS:
+        s, big = p50(times["small"][call]), p50(times["large"][call])
+        print(f"{call:12} {ms(s * 1000):>10} {s / small_admit:8.2f} {ms(big * 1000):>10} {big / s:12.2f}")
+    raw, http = statistics.mean(pairs["raw"]), statistics.mean(pairs["http"])
+    print(
+        f"admit + release, {CLIENTS} clients: HTTP {http:.1f} pairs/s ÷ raw psycopg {raw:.1f} pairs/s = "
+        f"{http / raw:.2f}  goal ≥ 0.5"
+    )
+    print("EXPLAIN on the large database (scans of each statement):")
+    for line in plans:
+        print("  " + line)
+    audited = "clean" if report.ok else report.violations + report.leaks
+    print(f"audit of the small database after the run: {audited}")
+
+
+if __name__ == "__main__":
+    main()

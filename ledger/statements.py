@@ -1,0 +1,234 @@
+"""Every hand-written statement on the capacity accounts, holds and ledger entries, and the one limits
+predicate every statement that checks limits uses. ``ledger/services/postings.py`` runs them (``locks`` may
+too); no other module imports this one (an import-linter contract), and ``tests/test_boundaries.py`` checks
+that no other file writes ``UPDATE ledger_capacityaccount`` or ``INSERT INTO ledger_ledgerentry``.
+
+Two statements move balances, both locking the accounts in ascending id order (the canonical order of
+``ledger/locks.py``) inside themselves:
+  - ``hold``: a reservation's holds (a new one's INSERT, or a queued one's UPDATE, then the conditional update
+    of every account, the holds and one HOLD entry per account): the ONE shape of a hold;
+  - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows.
+
+Money (``MONEY_BALANCES``) moves only on the accounts kept in the reservation's currency: each statement
+scales a row's money by ``money``, 1 on such an account and 0 elsewhere, before it adds, checks or records
+it; and a hold is refused by an account with a spend limit in another currency (or when the reservation has
+no price): no call is admitted free against a money limit.
+
+The limits predicate (``within_limits``): after adding a delta row's balances to an account row, every limit
+of ``ledger.models.LIMITS`` holds, or the delta does not increase that limit's used sum (a release is never
+refused). Read Committed re-checks the WHERE clause on the latest row version, so two holds never both pass
+on stale balances. ``Limit.refuses`` is the same predicate in Python.
+
+Adding a dimension (a spend limit in money, say):
+  1. the columns, in one migration: the account's limit (NULL: unlimited) and its balances
+     (``spend_reserved``, ``spend_consumed``) on ``CapacityAccount``, the same balances on ``LedgerEntry``;
+  2. the balances in ``ledger.models.BALANCES`` and one ``Limit("spend", "spend_limit", (...))`` in
+     ``ledger.models.LIMITS``: every statement here then adds, sums, checks and records them (the hold's
+     delta row, the moves' VALUES, the entries), and ``accounts.shortage`` names the dimension;
+  3. the amounts: what a hold adds (``postings.hold_amounts``) and the moves that change them
+     (``Postings.move``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from django.db import DatabaseError, connection
+
+from budgeting.db.cursor import prepared_cursor
+from ledger.errors import HoldRefused
+from ledger.models import BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
+
+# The SQLSTATE of ledger_require_holds (migration ledger 0009): a hold refused by an account's limits.
+REFUSED_SQLSTATE = "TB429"
+
+
+def _columns(row: str, columns: Sequence[str], between: str = ", ") -> str:
+    return between.join(f"{row}.{column}" for column in columns)
+
+
+def _sum(row: str, columns: Sequence[str]) -> str:
+    return _columns(row, columns, " + ")
+
+
+def within_limits(account: str, delta: str) -> str:
+    """THE limits predicate, as SQL: adding the balance columns of the row ``delta`` to the account row
+    ``account`` keeps every limit of ``LIMITS``, or does not increase that limit's used sum."""
+    return "\n AND ".join(
+        f"({account}.{limit.limit} IS NULL OR ({_sum(delta, limit.used)}) <= 0"
+        f" OR {_sum(account, limit.used)} + {_sum(delta, limit.used)} <= {account}.{limit.limit})"
+        for limit in LIMITS
+    )
+
+
+@functools.cache
+def _types() -> dict[str, str]:
+    """Each balance column's PostgreSQL type (a statement's parameters are typed: prepared once)."""
+    return {column: CapacityAccount._meta.get_field(column).db_type(connection) or "" for column in BALANCES}
+
+
+_ADD = ", ".join(f"{column} = a.{column} + {{delta}}.{column}" for column in BALANCES)
+
+
+def _scaled(row: str, factor: str) -> str:
+    """The balance columns of ``row`` with its money multiplied by ``factor`` (1 or 0), named as balances."""
+    return ", ".join(
+        f"{row}.{column} * {factor} AS {column}" if column in MONEY_BALANCES else f"{row}.{column}"
+        for column in BALANCES
+    )
+
+
+_ENTRY_COLUMNS = (
+    f"account_id, reservation_id, kind, {', '.join(BALANCES)}, period_start, reason, created_by, created_at"
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _hold_sql(reservation_sql: str, record_sql: str | None) -> str:
+    types = _types()
+    amounts = ", ".join(f"%s::{types[column]} AS {column}" for column in BALANCES)
+    record = "" if record_sql is None else f"record AS ({record_sql}), "
+    record_id = "NULL::bigint" if record_sql is None else "(SELECT id FROM record)"
+    # The accounts are locked only once the record and the reservation are written (``ordered`` reads
+    # ``reservation``; an unread data-modifying CTE would run after the main query, inside the locks): the
+    # hot rows stay locked for the holds, the entries and the commit only, and a replayed Idempotency-Key
+    # fails before taking any lock.
+    return f"""WITH {record}reservation AS ({reservation_sql} RETURNING id)
+    , m AS (SELECT {amounts}, %s::uuid AS rid, %s::text AS reason, %s::text AS currency)
+    , ordered AS (
+        SELECT id, (currency = (SELECT currency FROM m))::int AS money FROM ledger_capacityaccount
+         WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM reservation)
+         ORDER BY id FOR UPDATE)
+    , d AS (SELECT ordered.id, {_scaled("m", "ordered.money")} FROM ordered, m)
+    , held AS (
+        UPDATE ledger_capacityaccount AS a SET {_ADD.format(delta="d")}
+          FROM d, m
+         WHERE a.id = d.id AND {within_limits("a", "d")}
+           AND (a.spend_limit IS NULL OR a.currency = m.currency)
+        RETURNING a.id, a.period_start)
+    , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
+    , entries AS (
+        INSERT INTO ledger_ledgerentry ({_ENTRY_COLUMNS})
+        SELECT held.id, m.rid, 'HOLD', {_columns("d", BALANCES)}, held.period_start, m.reason, '',
+               now() FROM held JOIN d ON d.id = held.id, m)
+    SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held"""
+
+
+def hold(
+    reservation: tuple[str, list[Any]],
+    reservation_id: Any,
+    account_ids: Sequence[int],
+    amounts: Mapping[str, int],
+    record: tuple[str, list[Any]] | None = None,
+    *,
+    reason: str = "",
+    currency: str = "",
+) -> int | None:
+    """Write the reservation's row (``reservation``: its INSERT, or its UPDATE when it was queued) and hold
+    ``amounts`` (balance column -> amount) on every account, each conditional on ``within_limits``, with its
+    holds and one HOLD entry per account (saying ``reason``): ONE statement. The money of ``amounts`` is in
+    ``currency`` (empty: the reservation has no price). ``record`` (an INSERT …
+    RETURNING id that the reservation's statement reads as ``(SELECT id FROM record)``) is run first;
+    returns its id.
+
+    All or nothing: when an account refuses, ``ledger_require_holds`` fails the statement (nothing is
+    written; the caller's transaction, if any, is aborted) and HoldRefused names the refusing accounts.
+    """
+    wanted = sorted(account_ids)
+    statement = _hold_sql(reservation[0], None if record is None else record[0])
+    params = [
+        *([] if record is None else record[1]),
+        *reservation[1],
+        *(amounts.get(column, 0) for column in BALANCES),
+        reservation_id,
+        reason,
+        currency,
+        wanted,
+        wanted,
+    ]
+    try:
+        with prepared_cursor() as cursor:
+            cursor.execute(statement, params)
+            _, record_id = cursor.fetchone()
+    except DatabaseError as error:
+        refused = _refused_accounts(error)
+        if refused is None:
+            raise
+        raise HoldRefused(refused) from None
+    return record_id
+
+
+def _refused_accounts(error: DatabaseError) -> set[int] | None:
+    """The accounts ``ledger_require_holds`` names, or None for any other error."""
+    cause: Any = error.__cause__
+    if getattr(cause, "sqlstate", None) != REFUSED_SQLSTATE:
+        return None
+    return {int(part) for part in cause.diag.message_detail.split(",")}
+
+
+@functools.lru_cache(maxsize=16)
+def _moves_sql(rows: int, checked: bool) -> str:
+    types = _types()
+    row = ", ".join(["%s::int", "%s::bigint", "%s", "%s", *(f"%s::{types[c]}" for c in BALANCES)])
+    values = ", ".join([f"({row})"] * rows)
+    sums = ", ".join(
+        f"sum(m.{column}) * l.money AS {column}"
+        if column in MONEY_BALANCES
+        else f"sum(m.{column}) AS {column}"
+        for column in BALANCES
+    )
+    limits = f"AND {within_limits('a', 's')}" if checked else ""
+    nonmoney = [column for column in BALANCES if column not in MONEY_BALANCES]
+    money = ", ".join(f"m.{column} * l.money" for column in MONEY_BALANCES)
+    zeros = ", ".join(["0"] * len(BALANCES))
+    # Accounts locked in ascending id order, balances moved by the sum of the moves, one entry per move and
+    # account (in the moves' order, so entry ids follow what happened).
+    return f"""m(ord, account_id, kind, reason, {", ".join(BALANCES)}) AS (VALUES {values}),
+locked AS (
+    SELECT id, period_start, (currency = %s::text)::int AS money FROM ledger_capacityaccount
+     WHERE id IN (SELECT account_id FROM m) ORDER BY id FOR UPDATE),
+s AS (
+    SELECT m.account_id, {sums} FROM m JOIN locked AS l ON l.id = m.account_id GROUP BY m.account_id, l.money),
+upd AS (
+    UPDATE ledger_capacityaccount AS a SET {_ADD.format(delta="s")}
+      FROM s JOIN locked AS l ON l.id = s.account_id
+     WHERE a.id = s.account_id {limits}
+    RETURNING a.id),
+ent AS (
+    INSERT INTO ledger_ledgerentry ({_ENTRY_COLUMNS})
+    SELECT m.account_id, %s, m.kind, {_scaled("m", "l.money")}, l.period_start, m.reason,
+           '', now()
+      FROM m JOIN locked AS l ON l.id = m.account_id
+     WHERE ({_columns("m", nonmoney)}, {money}) <> ({zeros})
+     ORDER BY m.ord, m.account_id)"""
+
+
+def move_balances(
+    writes: Sequence[tuple[str, list[Any]]],
+    moves: Sequence[tuple[Any, ...]],
+    reservation_id: Any,
+    *,
+    checked: bool = False,
+    currency: str = "",
+) -> set[int]:
+    """Run ``writes`` (a reservation's UPDATE, new rows' INSERTs) and ``moves`` — rows of (order, account id,
+    kind, reason, one amount per balance of ``BALANCES``) — in ONE statement; returns the accounts whose
+    balances moved. With ``checked`` an account moves only where ``within_limits`` holds (the caller rolls
+    its transaction back when one is missing). The moves' money is in ``currency``: an entry that would move
+    nothing on an account of another currency is not written."""
+    ctes = [f"w{n} AS ({sql})" for n, (sql, _) in enumerate(writes)]
+    params: list[Any] = [value for _, values in writes for value in values]
+    moved = "SELECT 1 WHERE false"
+    if moves:
+        ctes.append(_moves_sql(len(moves), checked))
+        params.extend(value for row in moves for value in row)
+        params.extend([currency, reservation_id])
+        moved = "SELECT id FROM upd"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH {', '.join(ctes)} SELECT COALESCE(array_agg(id), '{{}}') FROM ({moved}) AS x(id)", params
+        )
+        (ids,) = cursor.fetchone()
+    return set(ids)
