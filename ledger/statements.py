@@ -190,7 +190,8 @@ locked AS (
     SELECT id, period_start, (currency = %s::text)::int AS money FROM ledger_capacityaccount
      WHERE id IN (SELECT account_id FROM m) ORDER BY id FOR UPDATE),
 s AS (
-    SELECT m.account_id, {sums} FROM m JOIN locked AS l ON l.id = m.account_id GROUP BY m.account_id, l.money),
+    SELECT m.account_id, {sums} FROM m JOIN locked AS l ON l.id = m.account_id
+     GROUP BY m.account_id, l.money),
 upd AS (
     UPDATE ledger_capacityaccount AS a SET {_ADD.format(delta="s")}
       FROM s JOIN locked AS l ON l.id = s.account_id

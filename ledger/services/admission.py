@@ -14,10 +14,10 @@ from django.db import IntegrityError, transaction
 
 from budgeting.catalog.errors import Conflict
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.prices import FrozenPrice
 from budgeting.db.cursor import db_now as read_db_now
 from budgeting.db.rows import RecordInsert
 from ledger import locks
-from budgeting.catalog.prices import FrozenPrice
 from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, QuotaExceeded
 from ledger.models import CapacityAccount, Reservation, State
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
