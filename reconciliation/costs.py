@@ -47,7 +47,8 @@ def compare_request_costs(
 ) -> list[BillingFinding]:
     """Drift of the import's per-request billed costs, per model revision and per account; returns the
     findings of the non-zero ones (the caller stores them). A billed id that names calls of several tenants is
-    left out (the import reports it as ambiguous)."""
+    left out (the import reports it as ambiguous), and so is a reservation admitted without a price in the
+    billed currency (it has no settled cost; reports count it as unpriced)."""
     billed = [r for r in records if r.cost is not None and r.currency]
     by_id: dict[str, list[Reservation]] = {}
     for reservation in Reservation.objects.filter(
@@ -68,6 +69,8 @@ def compare_request_costs(
             continue
         (reservation,) = matches
         assert record.cost is not None and record.currency is not None
+        if reservation.currency != record.currency:
+            continue  # admitted without a price in the billed currency: it has no settled cost to compare
         keys: list[tuple[str, str, int | None]] = [
             (CostDimension.MODEL, reservation.model_revision.name, None)
         ]
@@ -78,8 +81,7 @@ def compare_request_costs(
             tally = tallies.setdefault((dimension, key, record.currency), _Tally(owner))
             tally.requests += 1
             tally.billed += record.cost
-            if reservation.currency == record.currency:
-                tally.settled_micro += reservation.spend_captured + reservation.spend_overrun
+            tally.settled_micro += reservation.spend_captured + reservation.spend_overrun
     rows = [
         CostDrift(
             billing_import=billing_import,
