@@ -215,6 +215,10 @@ AXES_COOLOFF_TIME = timedelta(minutes=env_int("AXES_COOLOFF_MINUTES", 15, minimu
 AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_TEMPLATE = "admin/lockout.html"
+# Every failed sign-in is kept (the "Access failures" page), not only the running count of a lockout.
+AXES_ENABLE_ACCESS_FAILURE_LOG = True
+# Our own pages for these records (budgeting.backoffice.lockout_admin): lifting a lockout asks for a reason.
+AXES_ENABLE_ADMIN = False
 
 ROOT_URLCONF = "budgeting.urls"
 WSGI_APPLICATION = "budgeting.wsgi.application"

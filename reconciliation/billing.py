@@ -12,7 +12,9 @@ extra requests are reported.
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import logging
 import urllib.request
@@ -23,6 +25,8 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 from django.db.models import Sum
 
+from budgeting.catalog.changes import Actor, record_change, require_reason, snapshot
+from budgeting.catalog.errors import InvalidChange, InvalidInput, NotFound
 from budgeting.catalog.models import ModelPool
 from budgeting.db.cursor import db_now as read_db_now
 from ledger.models import Reservation, State
@@ -37,8 +41,15 @@ from reconciliation.models import (
     FindingKind,
 )
 from reconciliation.providers import registry
-from reconciliation.providers.exports import BillingExportFormat, scan_billing_export
+from reconciliation.providers.exports import (
+    BUCKET_REQUIRED_FIELDS,
+    EXPORT_FORMAT_CHOICES,
+    REQUEST_REQUIRED_FIELDS,
+    BillingExportFormat,
+    scan_billing_export,
+)
 from reconciliation.providers.records import (
+    BillingExportScan,
     BucketBillingRecord,
     CostRecord,
     ProblemKind,
@@ -49,6 +60,15 @@ from reconciliation.reclaim import pool_provider
 logger = logging.getLogger(__name__)
 
 OPEN_AFTER_DISPATCH = [State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED, State.RECONCILING]
+FORMAT_NAMES = dict(EXPORT_FORMAT_CHOICES)
+
+
+class ExportRefused(InvalidInput):
+    """A file that is not a billing export of the format named (wrong columns, another format): nothing of
+    it is stored, and ``detail`` says why."""
+
+    code = "EXPORT_REFUSED"
+    title = "Billing export refused"
 
 
 @dataclass(frozen=True)
@@ -86,14 +106,24 @@ def export_digest(text: str, fmt: str) -> str:
 
 
 def import_export(*, text: str, fmt: BillingExportFormat, source: str, now: datetime) -> ImportResult:
-    """Import one billing export or usage report. Raises ValueError for an unknown format; bad lines become
-    findings."""
+    """Import one billing export or usage report; bad lines of an export that is otherwise readable become
+    findings.
+
+    Raises ExportRefused, storing nothing, when the file is not an export of that format: a CSV header without
+    the columns of a per-request or a per-bucket export, or no line readable at all. Raises ValueError for an
+    unknown format.
+    """
     text = normalise_export(text)
     digest = export_digest(text, fmt)
     existing = BillingImport.objects.filter(content_sha256=digest).first()
     if existing is not None:
         return ImportResult(existing, created=False)
     scan = scan_billing_export(text, fmt)
+    refusal = _refusal(text, fmt, scan)
+    if refusal:
+        raise ExportRefused(
+            f"{source} is not a {FORMAT_NAMES.get(fmt, fmt)} export: {refusal}. Nothing was stored."
+        )
     requests = [r for r in scan.records if isinstance(r, RequestBillingRecord)]
     # A call whose gateway still holds its lease is left for a later (cumulative) export: the gateway is about
     # to settle it itself, and settling underneath it would refuse its final usage.
@@ -105,8 +135,7 @@ def import_export(*, text: str, fmt: BillingExportFormat, source: str, now: date
     try:
         with transaction.atomic(durable=True):
             # Imports run one at a time: two overlapping cumulative exports must not both store a request.
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(hashtext('reconciliation.billing_import'))")
+            _lock_imports()
             if BillingImport.objects.filter(content_sha256=digest).exists():
                 raise _AlreadyImported
             billing_import = BillingImport.objects.create(
@@ -143,6 +172,69 @@ def import_export(*, text: str, fmt: BillingExportFormat, source: str, now: date
     billing_import.findings_count = billing_import.findings.count()
     billing_import.save(update_fields=["settled", "findings_count"])
     return ImportResult(billing_import, created=True)
+
+
+def _refusal(text: str, fmt: BillingExportFormat, scan: BillingExportScan) -> str:
+    """Why a file cannot be an export of ``fmt`` (empty when it can): a CSV header that has neither the
+    per-request nor the per-bucket columns, or problems on every line and not one record."""
+    if fmt == "csv" and text:
+        header = set(next(csv.reader(io.StringIO(text, newline="")), []))
+        if not header.issuperset(REQUEST_REQUIRED_FIELDS) and not header.issuperset(BUCKET_REQUIRED_FIELDS):
+            return (
+                f"its header has {', '.join(sorted(header)) or 'no columns'}; a per-request export needs "
+                f"{', '.join(REQUEST_REQUIRED_FIELDS)}, a per-bucket one "
+                f"{', '.join(BUCKET_REQUIRED_FIELDS)}"
+            )
+    bad = [p for p in scan.problems if p.kind is ProblemKind.BAD_LINE]
+    if bad and not scan.records:
+        first = bad[0]
+        more = f" (and {len(bad) - 1} more line{'s' if len(bad) > 2 else ''} like it)" if len(bad) > 1 else ""
+        return f"no line could be read (line {first.line}: {first.reason}){more}"
+    return ""
+
+
+def remove_failed_import(*, import_id: int, reason: str, actor: Actor) -> None:
+    """Delete an import that stored nothing but its findings (no billed request, bucket, cost or settlement),
+    with the change log keeping what it was. Raises NotFound, InvalidChange (it holds records: imports that
+    settled or recorded usage are history and stay).
+    """
+    reason = require_reason(reason)
+    with transaction.atomic(durable=True):
+        # The imports' lock: an import running now cannot be adding to this one meanwhile.
+        _lock_imports()
+        billing_import = BillingImport.objects.filter(pk=import_id).first()
+        if billing_import is None:
+            raise NotFound("no such billing import")
+        if (
+            billing_import.records
+            or billing_import.settled
+            or billing_import.billed_requests.exists()
+            or billing_import.buckets.exists()
+            or billing_import.costs.exists()
+        ):
+            raise InvalidChange(
+                "this import holds billed records; only an import that stored nothing can be removed"
+            )
+        before = {
+            **snapshot(billing_import),
+            "findings": list(billing_import.findings.values_list("detail", flat=True)[:20]),
+        }
+        record_change(
+            actor=actor,
+            action="billing.remove_import",
+            target=billing_import,
+            before=before,
+            after=None,
+            reason=reason,
+        )
+        billing_import.findings.all().delete()
+        billing_import.delete()
+
+
+def _lock_imports() -> None:
+    """Take the transaction-scoped lock every import and removal of an import holds."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(hashtext('reconciliation.billing_import'))")
 
 
 class _AlreadyImported(Exception):
@@ -382,7 +474,12 @@ def fetch_and_import(*, now: datetime) -> dict[str, int]:
     totals = {"imports": 0, "unchanged": 0, "failed": 0}
     for pool in ModelPool.objects.exclude(provider_base_url=""):
         for text, fmt, label in _fetch(pool, now, totals):
-            result = import_export(text=text, fmt=fmt, source=f"pool {pool.slug} ({label})", now=now)
+            try:
+                result = import_export(text=text, fmt=fmt, source=f"pool {pool.slug} ({label})", now=now)
+            except ExportRefused as refused:
+                logger.warning("billing export of pool %s refused: %s", pool.slug, refused.detail)
+                totals["failed"] += 1
+                continue
             totals["imports" if result.created else "unchanged"] += 1
     return totals
 

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from budgeting.admission import queue
 from ledger import selectors
-from ledger.services import accounts, limits
+from ledger.services import accounts, limits, slots
 from reconciliation import billing, reclaim
 
 logger = logging.getLogger(__name__)
@@ -26,13 +26,16 @@ TASK_OPTIONS: dict[str, Any] = {
 
 @shared_task(name="reconciliation.reclaim_expired_leases", **TASK_OPTIONS)
 def reclaim_expired_leases() -> dict[str, int]:
-    report = reclaim.reclaim_expired_leases(now=timezone.now())
+    now = timezone.now()
+    report = reclaim.reclaim_expired_leases(now=now)
     return {
         "released": report.released,
         "frozen": report.frozen,
         "settled": report.settled,
         "refunded": report.refunded,
         "stillUnknown": report.still_unknown,
+        # Unknown outcomes keep their tokens; a call past its pool's maximum duration gives its slot back.
+        "slotsFreed": slots.free_ended_calls(now=now),
     }
 
 

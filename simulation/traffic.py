@@ -16,6 +16,7 @@ how the threads interleave is not. Django-free: it talks HTTP only.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import threading
@@ -45,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 MODEL_POOL: Final = "eu-large"
 MODEL_REVISION: Final = "model@2026-07-01"
+# One request in PROVIDER_COUNTED_SHARE goes to the demo's Claude model, which the simulator's Anthropic
+# counting API counts (chosen by a hash of the request id: the seeded draws of every plan stay as they were).
+PROVIDER_COUNTED: Final = ("eu-frontier", "claude-sonnet-4-5@2025-09-29")
+PROVIDER_COUNTED_SHARE: Final = 8
 TENANTS: Final = (("t-19", 6), ("t-internal", 3), ("t-20", 1))
 TASK_CLASSES: Final = (("contract-review", 5), ("support-chat", 3), ("summarize", 2))
 SIZES: Final = (("small", 80), ("ladder", 14), ("oversize", 6))
@@ -200,15 +205,23 @@ def build_request(plan: Plan, corpus: Corpus, rng: random.Random) -> dict[str, A
         else:
             # The minimum evidence set alone exceeds the budget: CONTEXT_BUDGET_EXCEEDED.
             components["evidence"] = _evidence(rng, rng.sample(corpus.huge, 4), marked=4)
+    pool, model = route(plan.request_id)
     return {
         "requestId": plan.request_id,
         "tenantId": plan.tenant,
         "taskClass": plan.task_class,
-        "modelPool": MODEL_POOL,
-        "modelRevision": MODEL_REVISION,
+        "modelPool": pool,
+        "modelRevision": model,
         "maxOutput": plan.max_output,
         "components": components,
     }
+
+
+def route(request_id: str) -> tuple[str, str]:
+    """The (pool, model revision) a request goes to: the provider-counted model for one in
+    ``PROVIDER_COUNTED_SHARE``, the demo's main model otherwise."""
+    bucket = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:4], "big") % PROVIDER_COUNTED_SHARE
+    return PROVIDER_COUNTED if bucket == 0 else (MODEL_POOL, MODEL_REVISION)
 
 
 def _tool(name: str, *, essential: bool) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from ladder.parser import parse_components
 from ladder.policy import PolicyError, TaskPolicy, parse_policy
 from ladder.rungs import ModelSpec
 from ladder.templates import get_template
+from ladder.walk import ProviderCount
 from ladder.wire import decision_manifest
 
 # A tampered or damaged record can differ everywhere; the first ones are enough to see what happened.
@@ -99,6 +100,7 @@ def replay_manifest(manifest_id: int) -> ReplayResult:
                 fallback_models=inputs.fallbacks,
                 counter_for=inputs.counter_for,
                 cache=MemoryCountCache(),  # private: a replay never reads or writes Redis
+                provider_count=_recorded_provider_counts(record),
             )
         except (ValueError, TemplateError) as exc:
             differences.append(f"the ladder refused the recorded inputs: {exc}")
@@ -250,6 +252,23 @@ def _inputs(manifest: Manifest, record: dict[str, Any], differences: list[str]) 
         counter_for=counter_for,
         counting_was_unavailable=unavailable,
     )
+
+
+def _recorded_provider_counts(record: dict[str, Any]) -> ProviderCount:
+    """The provider counts the decision recorded, by payload digest: a replay never calls a counting API, and
+    a payload it would count that the record does not have is counting unavailable (a difference)."""
+    counts: dict[str, int] = {}
+    for item in record.get("providerCounts") or ():
+        digest, tokens = mapping(item).get("payloadDigest"), _int(mapping(item).get("tokens"))
+        if isinstance(digest, str) and tokens is not None:
+            counts[digest] = tokens
+
+    def count(spec: ModelSpec, payload: Mapping[str, object], digest: str) -> int:
+        if digest not in counts:
+            raise CountingUnavailable(f"no provider count of payload {digest} is on record")
+        return counts[digest]
+
+    return count
 
 
 def _unavailable(spec: ModelSpec) -> SegmentCounter:

@@ -26,7 +26,7 @@ from budgeting.backoffice.account_display import (
     limit_warnings,
     usage_bar,
 )
-from budgeting.backoffice.formats import CountField, compact, count, signed, unit_price
+from budgeting.backoffice.formats import CountField, count, signed, unit_price
 from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     ReasonForm,
@@ -57,9 +57,9 @@ class OptionalLimit(CountField):
 
 
 class LimitsForm(StepForm):
-    input_limit = OptionalLimit(label="Input tokens per period")
-    output_limit = OptionalLimit(label="Output tokens per period")
-    concurrency_limit = OptionalLimit(label="Concurrent requests")
+    input_limit = OptionalLimit(label="Permanent input tokens per period")
+    output_limit = OptionalLimit(label="Permanent output tokens per period")
+    concurrency_limit = OptionalLimit(label="Permanent concurrent requests")
     expected_input = OptionalLimit(widget=forms.HiddenInput)
     expected_output = OptionalLimit(widget=forms.HiddenInput)
     expected_concurrency = OptionalLimit(widget=forms.HiddenInput)
@@ -108,7 +108,7 @@ def _available_column(dimension: str) -> Callable[[Any, CapacityAccount], SafeSt
 
     def column(model_admin: Any, obj: CapacityAccount) -> SafeString:
         used = getattr(obj, f"{dimension}_reserved") + getattr(obj, f"{dimension}_consumed")
-        left = available_figure(getattr(obj, f"{dimension}_limit"), used, narrow=True)
+        left = available_figure(getattr(obj, f"{dimension}_limit"), used)
         return format_html('<div class="tb-num">{}</div>', left)
 
     return admin.display(description=f"{dimension} available (tokens)")(column)
@@ -133,6 +133,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
     search_fields = ["tenant__slug", "tenant__name", "task_class__slug", "pool__slug"]
     change_form_template = "admin/ledger/capacityaccount/change_form.html"
     change_list_template = "admin/tokenbudget/wide_change_list.html"
+    # Not the row's updated_at: balances move in one SQL statement per request, which auto_now never sees.
     fields = [
         "scope",
         "tenant",
@@ -144,17 +145,17 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
         "spend_held",
         "spend_posted",
         "spend_available",
-        "updated_at",
+        "last_movement",
+        "last_change",
     ]
-    readonly_fields = ["spend_limit_amount", "spend_held", "spend_posted", "spend_available"]
 
-    input_limit_col = figure_column("input_limit", "input limit (tokens)", compact)
-    input_reserved_col = figure_column("input_reserved", "input reserved (tokens)", compact)
-    input_consumed_col = figure_column("input_consumed", "input consumed (tokens)", compact)
+    input_limit_col = figure_column("input_limit", "input limit (tokens)")
+    input_reserved_col = figure_column("input_reserved", "input reserved (tokens)")
+    input_consumed_col = figure_column("input_consumed", "input consumed (tokens)")
     input_available = _available_column("input")
-    output_limit_col = figure_column("output_limit", "output limit (tokens)", compact)
-    output_reserved_col = figure_column("output_reserved", "output reserved (tokens)", compact)
-    output_consumed_col = figure_column("output_consumed", "output consumed (tokens)", compact)
+    output_limit_col = figure_column("output_limit", "output limit (tokens)")
+    output_reserved_col = figure_column("output_reserved", "output reserved (tokens)")
+    output_consumed_col = figure_column("output_consumed", "output consumed (tokens)")
     output_available = _available_column("output")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[CapacityAccount]:
@@ -209,9 +210,23 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             usage_bar("conc", used["concurrency"], obj.concurrency_limit),
         )
 
+    @admin.display(description="last balance movement")
+    def last_movement(self, obj: CapacityAccount) -> str:
+        entry = LedgerEntry.objects.filter(account=obj).order_by("-id").first()
+        if entry is None:
+            return "none yet"
+        return f"{entry.created_at:%Y-%m-%d %H:%M:%S} UTC ({entry.get_kind_display()}, entry #{entry.pk})"
+
+    @admin.display(description="last change by a person")
+    def last_change(self, obj: CapacityAccount) -> str:
+        change = recent_changes(obj, limit=1).first()
+        if change is None:
+            return "none"
+        return f"{change.at:%Y-%m-%d %H:%M:%S} UTC ({change.action} by {change.actor_username})"
+
     def page_context(self, request: HttpRequest, obj: CapacityAccount) -> dict[str, Any]:
         return {
-            "dimensions": dimensions(obj),
+            "dimensions": dimensions(obj, limits.active_increases(obj)),
             "increases": TemporaryIncrease.objects.filter(account=obj, ended_at__isnull=True),
             "entries": LedgerEntry.objects.filter(account=obj)
             .select_related("reservation")
@@ -233,15 +248,22 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
 
     def limits_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
         require(request, "ledger.change_capacityaccount")
-        account = self.object_or_403(request, account_id)
+        account = self.object_or_404(request, account_id)
         current = (account.input_limit, account.output_limit, account.concurrency_limit)
+        # The form edits the permanent limits; active temporary increases are shown apart and stay on top.
+        increases = limits.active_increases(account)
+        permanent = [
+            None if limit is None else limit - increases[name]
+            for name, limit in zip(("input", "output", "concurrency"), current, strict=True)
+        ]
 
         def previewed(data: dict[str, Any]) -> list[limits.DimensionPreview]:
-            return limits.preview_limits(
+            return limits.preview_permanent_limits(
                 account,
                 input_limit=data["input_limit"],
                 output_limit=data["output_limit"],
                 concurrency_limit=data["concurrency_limit"],
+                increases=increases,
             )
 
         def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
@@ -249,7 +271,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             return limit_rows(dims), limit_warnings(dims)
 
         def apply(data: dict[str, Any]) -> str:
-            limits.set_account_limits(
+            limits.set_permanent_limits(
                 account_id=account.pk,
                 input_limit=data["input_limit"],
                 output_limit=data["output_limit"],
@@ -260,34 +282,45 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             )
             return f"Limits of {account} saved."
 
+        active = TemporaryIncrease.objects.filter(account=account, ended_at__isnull=True)
         return two_step_page(
             request,
             self,
             account,
             LimitsForm,
             title=f"Edit limits of {account}",
-            lead="Empty means unlimited. The preview shows what is left for new requests; lowering a limit "
-            "below current use is allowed (running calls are not affected) but new requests are refused "
-            "until usage falls or the period rolls over.",
+            lead="These are the account's permanent limits; empty means unlimited. "
+            + (
+                "Its active temporary increases (below) stay on top of them and end by themselves. "
+                if any(increases.values())
+                else ""
+            )
+            + "The preview shows what is left for new requests; lowering a limit below current use is "
+            "allowed (running calls are not affected) but new requests are refused until usage falls or the "
+            "period rolls over.",
             submit="Save limits",
             preview=preview,
             apply=apply,
             initial={
-                "input_limit": current[0],
-                "output_limit": current[1],
-                "concurrency_limit": current[2],
+                "input_limit": permanent[0],
+                "output_limit": permanent[1],
+                "concurrency_limit": permanent[2],
                 "expected_input": current[0],
                 "expected_output": current[1],
                 "expected_concurrency": current[2],
                 "step": "edit",
             },
-            edit_context={"dimensions": dimensions(account), "live_preview": True},
+            edit_context={
+                "dimensions": dimensions(account, increases),
+                "live_preview": True,
+                "increases": active,
+            },
             needs_acknowledgement=lambda data: any(d.below_use and d.changed for d in previewed(data)),
         )
 
     def increase_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
         require(request, "budgeting.add_temporaryincrease")
-        account = self.object_or_403(request, account_id)
+        account = self.object_or_404(request, account_id)
 
         def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
             rows: list[Row] = []
@@ -332,7 +365,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
 
     def correction_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
         require(request, "ledger.add_ledgerentry")
-        account = self.object_or_403(request, account_id)
+        account = self.object_or_404(request, account_id)
 
         def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
             new_input = account.input_consumed + data["input_consumed"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting.backoffice.formats import compact, count
+from budgeting.backoffice.formats import count, signed
 from budgeting.backoffice.kit import Row
 from ledger.models import CapacityAccount
 from ledger.services.limits import DimensionPreview
@@ -16,14 +16,14 @@ from ledger.services.limits import DimensionPreview
 WARN_AT = 0.8
 
 
-def available_figure(limit: int | None, used: int, *, narrow: bool = False) -> SafeString:
+def available_figure(limit: int | None, used: int) -> SafeString:
     """What is left for new requests; negative (over the limit) in red."""
     if limit is None:
         return format_html("{}", count(None))
     left = limit - used
     if left < 0:
         return format_html('<span class="tb-neg" title="over the limit">{}</span>', count(left))
-    return compact(left) if narrow else format_html("{}", count(left))
+    return format_html("{}", count(left))
 
 
 def _share(used: int, limit: int | None) -> float | None:
@@ -61,6 +61,20 @@ class Dimension:
     consumed: int
     used: int
     bar: SafeString
+    # What active temporary increases add to ``limit`` (the limit in force); the rest is permanent.
+    increase: int = 0
+
+    @property
+    def permanent(self) -> int | None:
+        return None if self.limit is None else self.limit - self.increase
+
+    @property
+    def permanent_text(self) -> str:
+        return count(self.permanent)
+
+    @property
+    def increase_text(self) -> str:
+        return signed(self.increase)
 
     @property
     def available(self) -> SafeString:
@@ -83,8 +97,10 @@ class Dimension:
         return count(self.used)
 
 
-def dimensions(account: CapacityAccount) -> list[Dimension]:
-    """The account's three dimensions; concurrency's reserved is what is in flight, and it consumes none."""
+def dimensions(account: CapacityAccount, increases: dict[str, int] | None = None) -> list[Dimension]:
+    """The account's three dimensions; concurrency's reserved is what is in flight, and it consumes none.
+    ``increases`` (``limits.active_increases``) splits each limit into permanent and temporary."""
+    extra = increases or {}
     balances = [
         ("input", account.input_limit, account.input_reserved, account.input_consumed),
         ("output", account.output_limit, account.output_reserved, account.output_consumed),
@@ -92,16 +108,31 @@ def dimensions(account: CapacityAccount) -> list[Dimension]:
     ]
     return [
         Dimension(
-            name, limit, reserved, consumed, reserved + consumed, usage_bar(name, reserved + consumed, limit)
+            name,
+            limit,
+            reserved,
+            consumed,
+            reserved + consumed,
+            usage_bar(name, reserved + consumed, limit),
+            extra.get(name, 0) if limit is not None else 0,
         )
         for name, limit, reserved, consumed in balances
     ]
 
 
 def limit_rows(dims: list[DimensionPreview]) -> list[Row]:
+    """The confirmation rows of a limit edit; with a temporary increase, the permanent limit (what the edit
+    changes), the increase (unchanged) and the limit in force apart."""
     rows: list[Row] = []
     for d in dims:
-        rows.append((f"{d.name} limit", count(d.old_limit), count(d.new_limit), False))
+        if d.increase:
+            rows += [
+                (f"{d.name} permanent limit", count(d.old_permanent), count(d.new_permanent), False),
+                (f"{d.name} temporary increase (unchanged)", signed(d.increase), signed(d.increase), False),
+                (f"{d.name} limit in force", count(d.old_limit), count(d.new_limit), False),
+            ]
+        else:
+            rows.append((f"{d.name} limit", count(d.old_limit), count(d.new_limit), False))
         rows.append(
             (
                 f"{d.name} available (in use {count(d.used)})",

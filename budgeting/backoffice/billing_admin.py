@@ -30,10 +30,12 @@ from budgeting.backoffice.kit import (
     confirm_page,
     figure_column,
     link,
+    problem_message,
     require,
 )
 from budgeting.backoffice.reservation_admin import link_to_reservation
 from budgeting.catalog.changes import record_change
+from budgeting.catalog.errors import DomainError
 from ledger.models import Reservation
 from reconciliation import billing
 from reconciliation.models import BilledRequest, BillingFinding, BillingImport, BucketDrift, FindingKind
@@ -145,10 +147,49 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
                 if any(f.kind == kind for f in findings)
             ],
             "billed_requests": obj.billed_requests.count(),
+            "can_remove": request.user.has_perm("reconciliation.add_billingimport")
+            and not (obj.records or obj.settled),
         }
 
     def page_urls(self) -> list[tuple[str, Callable[..., HttpResponse], str]]:
-        return [("upload/", self.upload_view, "reconciliation_billingimport_upload")]
+        return [
+            ("upload/", self.upload_view, "reconciliation_billingimport_upload"),
+            ("<int:import_id>/remove/", self.remove_view, "reconciliation_billingimport_remove"),
+        ]
+
+    def remove_view(self, request: HttpRequest, import_id: int) -> HttpResponse:
+        """Remove an import that stored nothing (a file refused today was accepted before): a reason, then
+        one call to the reconciliation service, which keeps it in the change log."""
+        require(request, "reconciliation.add_billingimport")
+        billing_import = self.object_or_404(request, import_id)
+        form = ReasonForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            try:
+                billing.remove_failed_import(
+                    import_id=billing_import.pk, reason=form.cleaned_data["reason"], actor=actor(request)
+                )
+            except DomainError as problem:
+                problem_message(request, problem)
+                return HttpResponseRedirect(change_url(billing_import))
+            messages.success(request, f"Import {billing_import.source} removed; the change log keeps it.")
+            return HttpResponseRedirect(reverse("admin:reconciliation_billingimport_changelist"))
+        return confirm_page(
+            request,
+            self,
+            obj=billing_import,
+            title=f"Remove the import of {billing_import.source}",
+            lead="This import read no record: it settled nothing and stored no billed usage, only the lines "
+            "it could not read. Removing it deletes it and its findings; the change log keeps what it was.",
+            form=form,
+            submit="Remove import",
+            cancel_url=change_url(billing_import),
+            rows=[
+                ("file", billing_import.source, "—", True),
+                ("format", FORMAT_LABELS.get(billing_import.fmt, billing_import.fmt), "—", False),
+                ("lines it could not read", count(billing_import.findings.count()), "—", False),
+            ],
+            danger=True,
+        )
 
     def upload_view(self, request: HttpRequest) -> HttpResponse:
         """Import a billing export: one call to the reconciliation service, then its summary."""
@@ -156,6 +197,7 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
         form = ImportForm(request.POST or None, request.FILES or None)
         if request.method == "POST" and form.is_valid():
             upload = form.cleaned_data["export"]
+            result: billing.ImportResult | None = None
             try:
                 text = upload.read().decode("utf-8")
             except UnicodeDecodeError:
@@ -163,9 +205,14 @@ class BillingImportAdmin(ReadOnlyAdmin[BillingImport]):
                     "export", "The file is not UTF-8 text: export it again as UTF-8 (CSV or JSON)."
                 )
             else:
-                result = billing.import_export(
-                    text=text, fmt=form.cleaned_data["fmt"], source=upload.name, now=timezone.now()
-                )
+                try:
+                    result = billing.import_export(
+                        text=text, fmt=form.cleaned_data["fmt"], source=upload.name, now=timezone.now()
+                    )
+                except billing.ExportRefused as refused:
+                    form.add_error("export", refused.detail)
+                    result = None
+            if result is not None:
                 if result.created:
                     # The import commits its own transactions (one per settled reservation); the log entry
                     # follows it, naming the import so the two can be matched.

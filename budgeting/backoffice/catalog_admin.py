@@ -7,6 +7,7 @@ revoking a service client's tokens are buttons that open a confirmation page and
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -15,9 +16,8 @@ from typing import Any
 from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
-from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
@@ -33,6 +33,7 @@ from budgeting.backoffice.kit import (
     admin_page,
     change_url,
     confirm_page,
+    figure_column,
     require,
 )
 from budgeting.catalog import tokens
@@ -67,12 +68,14 @@ class TenantAdmin(AuditedAdmin[Tenant]):
 class TaskClassAdmin(AuditedAdmin[TaskClass]):
     list_display = [
         "slug",
-        "input_cap",
-        "max_output_cap",
+        "input_cap_col",
+        "max_output_cap_col",
         "queue_allowed",
         "queue_deadline_seconds",
         "ramp_percent",
     ]
+    input_cap_col = figure_column("input_cap", "input cap (tokens)")
+    max_output_cap_col = figure_column("max_output_cap", "output cap (tokens)")
     list_filter = ["queue_allowed"]
     search_fields = ["slug", "description"]
     fields = [
@@ -101,6 +104,7 @@ class ModelPoolForm(AuditedForm):
             "provider_base_url",
             "api_key_env",
             "admin_key_env",
+            "max_call_seconds",
         ]
 
     def _env_name(self, name: str) -> str:
@@ -201,8 +205,8 @@ class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
     list_display = [
         "name",
         "tokenizer",
-        "context_window",
-        "max_output",
+        "context_window_col",
+        "max_output_col",
         "template_family",
         "data_residency",
         "safety_tier",
@@ -210,6 +214,8 @@ class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
         "pool_list",
     ]
     list_filter = ["template_family", "data_residency", "pools"]
+    context_window_col = figure_column("context_window", "context window (tokens)")
+    max_output_col = figure_column("max_output", "maximum output (tokens)")
     search_fields = ["name"]
     filter_horizontal = ["pools"]
     readonly_fields = ["counter_drift"]
@@ -297,6 +303,9 @@ class RotateForm(ReasonForm):
         "Or retire the current tokens at (UTC)",
         "They keep working until then, so gateways can switch over; empty: they stay until revoked.",
     )
+    # One form, one token: the same form posted again (a refresh of the page showing the token, a double
+    # click) carries the same key and issues nothing (see ROTATIONS_SEEN).
+    once = forms.CharField(widget=forms.HiddenInput, max_length=64)
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -310,6 +319,10 @@ class RotateForm(ReasonForm):
 
     def retire_current_at(self, now: datetime) -> datetime | None:
         return now if self.cleaned_data["revoke_current"] else self.cleaned_data["retire_at"]
+
+
+# The session keeps the keys of the last rotation forms it posted: only keys, never a token.
+ROTATIONS_SEEN = "tb-rotations-seen"
 
 
 @admin.register(ServiceClient)
@@ -345,9 +358,18 @@ class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
 
     def rotate_view(self, request: HttpRequest, client_id: int) -> HttpResponse:
         require(request, "budgeting.add_apitoken")
-        client = self.object_or_403(request, client_id)
-        form = RotateForm(request.POST or None)
+        client = self.object_or_404(request, client_id)
+        form = RotateForm(request.POST or None, initial={"once": secrets.token_hex(16)})
         if request.method == "POST" and form.is_valid():
+            seen: list[str] = request.session.get(ROTATIONS_SEEN, [])
+            if form.cleaned_data["once"] in seen:
+                messages.warning(
+                    request,
+                    "That token was issued already and shown once; it is not shown again and no other "
+                    "token was issued. Rotate again if it was not copied.",
+                )
+                return HttpResponseRedirect(change_url(client))
+            request.session[ROTATIONS_SEEN] = [*seen, form.cleaned_data["once"]][-20:]
             now = timezone.now()
             issued = tokens.issue_token(
                 client_id=client.pk,
@@ -358,7 +380,7 @@ class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
                 actor=actor(request),
                 now=now,
             )
-            return admin_page(
+            shown = admin_page(
                 request,
                 self,
                 "admin/budgeting/serviceclient/token_issued.html",
@@ -369,6 +391,8 @@ class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
                     "form_retire_at": form.cleaned_data["retire_at"],
                 },
             )
+            shown["Cache-Control"] = "no-store"
+            return shown
         return confirm_page(
             request,
             self,
@@ -385,7 +409,7 @@ class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
         require(request, "budgeting.change_apitoken")
         token = ApiToken.objects.filter(pk=token_id, client_id=client_id).select_related("client").first()
         if token is None:
-            raise PermissionDenied
+            raise Http404(f"No token {token_id} of service client {client_id}.")
         form = ReasonForm(request.POST or None)
         if request.method == "POST" and form.is_valid():
             tokens.revoke_token(

@@ -10,6 +10,7 @@ Templates use the same functions as filters (``{% load tb_formats %}``); a form 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from decimal import ROUND_HALF_UP, Decimal
 from typing import Any
 
@@ -19,6 +20,8 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 UNLIMITED = "∞"
+# Costs are computed and kept to the micro-unit (reports.pricing.COST_QUANTUM): never show more decimals.
+MAX_MONEY_PLACES = 6
 
 # Symbols people expect in front of an amount; other currencies are written after it ("2.36 CHF").
 CURRENCY_SYMBOLS = {"USD": "$", "EUR": "€", "GBP": "£", "JPY": "¥", "INR": "₹", "KRW": "₩"}
@@ -71,14 +74,41 @@ def minor_units(currency: str) -> int:
     return MINOR_UNITS.get(currency.upper(), 2)
 
 
-def money(amount: Decimal | int | str | None, currency: str | None) -> str:
-    """An amount rounded (half up) to its currency's precision, with its symbol: "$2.36", "-€1,204.50",
-    "¥236", "2.36 CHF". No amount is "—"."""
+def money(amount: Decimal | int | str | None, currency: str | None, places: int | None = None) -> str:
+    """An amount rounded (half up) to its currency's precision, or to ``places`` decimals, with its symbol:
+    "$2.36", "-€1,204.50", "¥236", "2.36 CHF". An amount that is not zero but rounds to zero is "< $0.01"
+    (never "$0.00" beside a total that is not). No amount is "—"."""
     if amount is None or not currency:
         return "—"
-    places = minor_units(currency)
-    rounded = Decimal(amount).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
+    places = minor_units(currency) if places is None else places
+    value = Decimal(amount)
+    rounded = _round(value, places)
+    if not rounded and value:
+        smallest = _with_currency(f"{Decimal(1).scaleb(-places):.{places}f}", currency, negative=False)
+        return f"< {smallest}" if value > 0 else f"> -{smallest}"
     return _with_currency(f"{abs(rounded):,.{places}f}", currency, negative=rounded < 0)
+
+
+def _round(value: Decimal, places: int) -> Decimal:
+    return value.quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP)
+
+
+def money_places(column: Iterable[dict[str, Decimal]], total: dict[str, Decimal]) -> dict[str, int]:
+    """Per currency, the fewest decimals (from its minor units up to the micro-unit costs are kept in) at
+    which a column of amounts shows every amount that is not zero as not zero and its rounded rows add up to
+    its rounded total: sub-cent rows read "$0.0042", not "$0.00" under a total of "$0.01"."""
+    rows = list(column)
+    places: dict[str, int] = {}
+    for currency, whole in total.items():
+        amounts = [row[currency] for row in rows if row.get(currency)]
+        chosen = minor_units(currency)
+        while chosen < MAX_MONEY_PLACES and (
+            any(not _round(a, chosen) for a in amounts)
+            or sum((_round(a, chosen) for a in amounts), Decimal(0)) != _round(whole, chosen)
+        ):
+            chosen += 1
+        places[currency] = chosen
+    return places
 
 
 def unit_price(amount: Decimal | str | None, currency: str | None) -> str:
@@ -98,12 +128,14 @@ def _with_currency(digits: str, currency: str, *, negative: bool) -> str:
     return f"-{text}" if negative else text
 
 
-def amounts(by_currency: dict[str, Decimal]) -> str:
-    """Amounts in several currencies, largest first: "$2.36 + €0.40"; none is "—"."""
+def amounts(by_currency: dict[str, Decimal], places: dict[str, int] | None = None) -> str:
+    """Amounts in several currencies, largest first: "$2.36 + €0.40" (each at its ``places`` when given,
+    see ``money_places``); none is "—"."""
     if not by_currency:
         return "—"
     ordered = sorted(by_currency.items(), key=lambda item: (-item[1], item[0]))
-    return " + ".join(money(amount, currency) for currency, amount in ordered)
+    chosen = places or {}
+    return " + ".join(money(amount, currency, chosen.get(currency)) for currency, amount in ordered)
 
 
 def percent(share: float | None, places: int = 0) -> str:

@@ -18,7 +18,7 @@ from django.core.exceptions import NON_FIELD_ERRORS, PermissionDenied, Validatio
 from django.db import models
 from django.db.models import Q, QuerySet
 from django.forms.models import ModelForm
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
@@ -33,6 +33,8 @@ from budgeting.catalog.models import ChangeRecord
 admin.site.site_header = "Token budget"
 admin.site.site_title = "Token budget admin"
 admin.site.index_title = "Operations"
+# There is no public site to view: the admin is the product's only page.
+admin.site.site_url = None
 
 M = TypeVar("M", bound=models.Model)
 
@@ -214,9 +216,31 @@ def two_step_page(
     )
 
 
+def readable_count(field: models.Field[Any, Any]) -> Callable[[Any], str]:
+    """A read-only display of an integer field as people read it ("32,768"; Django would write "32768")."""
+
+    def show(obj: Any) -> str:
+        return count(getattr(obj, field.attname))
+
+    show.__name__ = field.name
+    return admin.display(description=field.verbose_name)(show)
+
+
 class KitAdmin(admin.ModelAdmin[M]):
     """An admin whose change page can show more than its form (``page_context``) and which can have pages of
-    its own (``page_urls``: route, view, URL name; the views are wrapped by the admin site)."""
+    its own (``page_urls``: route, view, URL name; the views are wrapped by the admin site). Whoever may only
+    view a record reads its counts with separators."""
+
+    def get_fields(self, request: HttpRequest, obj: M | None = None) -> list[Any]:
+        fields = list(super().get_fields(request, obj))
+        if obj is None or self.has_change_permission(request, obj):
+            return fields
+        integers = {
+            f.name: f
+            for f in self.model._meta.concrete_fields
+            if isinstance(f, models.IntegerField) and not f.primary_key and not f.choices
+        }
+        return [readable_count(integers[f]) if isinstance(f, str) and f in integers else f for f in fields]
 
     def page_context(self, request: HttpRequest, obj: M) -> dict[str, Any]:
         return {}
@@ -244,10 +268,13 @@ class KitAdmin(admin.ModelAdmin[M]):
             *super().get_urls(),
         ]
 
-    def object_or_403(self, request: HttpRequest, object_id: int | UUID) -> M:
-        """The object a page of this admin is about; 403 when it does not exist or the user may not see it."""
+    def object_or_404(self, request: HttpRequest, object_id: int | UUID) -> M:
+        """The object a page of this admin is about: 404 when it does not exist (to anyone who may use the
+        page: the caller checks the page's permission first), 403 when the user may not see it."""
         obj = self.get_object(request, str(object_id))
         if obj is None:
+            raise Http404(f"No {self.model._meta.verbose_name} {object_id}.")
+        if not self.has_view_permission(request, obj):
             raise PermissionDenied
         return obj
 

@@ -16,10 +16,27 @@ from django.urls import URLPattern, path
 
 from budgeting.admission.models import Manifest
 from budgeting.admission.replay import replay_manifest
-from budgeting.backoffice.kit import ReadOnlyAdmin, admin_context, admin_page, require
+from budgeting.backoffice.formats import count
+from budgeting.backoffice.kit import ReadOnlyAdmin, admin_context, admin_page, figure_column, require
 from budgeting.backoffice.models import UsageReport
 from budgeting.backoffice.reports.views import report_page, tenant_spend_page
 from budgeting.catalog.models import Tenant
+
+
+def readable(value: Any) -> str | None:
+    """A recorded value as a person reads it: counts with separators, an object as "key value" pairs (never
+    a Python dict), a list joined; ``None`` stays None (shown as "—")."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return count(value)
+    if isinstance(value, dict):
+        return " · ".join(f"{key} {readable(item) or '—'}" for key, item in value.items())
+    if isinstance(value, list):
+        return ", ".join(readable(item) or "—" for item in value)
+    return str(value)
 
 
 def manifest_context(manifest: Manifest) -> dict[str, Any]:
@@ -39,7 +56,9 @@ def manifest_context(manifest: Manifest) -> dict[str, Any]:
         )
     return {
         "manifest": manifest,
-        "locked": sorted((record.get("lockedRevisions") or {}).items()),
+        "locked": [
+            (name, readable(value)) for name, value in sorted((record.get("lockedRevisions") or {}).items())
+        ],
         "components": components,
         "steps": record.get("steps") or [],
         "removed": record.get("removed") or [],
@@ -61,9 +80,10 @@ class ManifestAdmin(ReadOnlyAdmin[Manifest]):
         "decision",
         "rung",
         "mode",
-        "input_tokens",
+        "input_tokens_col",
         "count_method",
     ]
+    input_tokens_col = figure_column("input_tokens", "input tokens")
     list_filter = ["decision", "rung", "mode", "tenant", "task_class", "model_pool", "created_at"]
     search_fields = ["request_id", "rendered_digest"]
     date_hierarchy = "created_at"
@@ -79,7 +99,7 @@ class ManifestAdmin(ReadOnlyAdmin[Manifest]):
         "decision",
         "rung",
         "mode",
-        "input_tokens",
+        "input_tokens_col",
         "count_method",
         "rendered_digest",
         "created_at",
@@ -101,7 +121,7 @@ class ManifestAdmin(ReadOnlyAdmin[Manifest]):
     def replay_view(self, request: HttpRequest, manifest_id: int) -> HttpResponse:
         """Re-run the decision from the manifest and show whether it matches the record (read-only)."""
         require(request, "budgeting.view_manifest")
-        manifest = self.object_or_403(request, manifest_id)
+        manifest = self.object_or_404(request, manifest_id)
         return admin_page(
             request,
             self,

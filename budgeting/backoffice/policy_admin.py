@@ -220,16 +220,27 @@ class PolicyVersionAdmin(AuditedAdmin[PolicyVersion]):
         return ", ".join(PolicyAlias.objects.filter(version=obj).values_list("name", flat=True))
 
     def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
-        """``?copy_of=<id>``: start a new draft from an existing version, with the next free revision."""
-        source = PolicyVersion.objects.filter(pk=request.GET.get("copy_of") or 0).first()
-        if source is None:
-            return super().get_changeform_initial_data(request)
+        """A new draft has the next free revision and starts from the active version's document (``?copy_of=
+        <id>``: from that version's), or from the document's required fields when there is none yet — never
+        from ``null``."""
         revision = (
             PolicyVersion.objects.order_by("-revision").values_list("revision", flat=True).first() or 0
         ) + 1
+        source = PolicyVersion.objects.filter(pk=request.GET.get("copy_of") or 0).first()
+        if source is None:
+            alias = PolicyAlias.objects.filter(name=ACTIVE_ALIAS).select_related("version").first()
+            source = alias.version if alias else None
+        if source is None:
+            return {
+                **super().get_changeform_initial_data(request),
+                "revision": revision,
+                "document": {"revision": revision, "taskClasses": {}},
+            }
         return {
             "revision": revision,
-            "note": f"copy of r{source.revision}",
+            "note": f"copy of r{source.revision}"
+            if request.GET.get("copy_of")
+            else f"from r{source.revision}",
             "document": {**source.document, "revision": revision},
         }
 
@@ -276,7 +287,7 @@ class PolicyVersionAdmin(AuditedAdmin[PolicyVersion]):
 
     def validate_view(self, request: HttpRequest, version_id: int) -> HttpResponse:
         require(request, "budgeting.change_policyversion")
-        version = self.object_or_403(request, version_id)
+        version = self.object_or_404(request, version_id)
         form = ReasonForm(request.POST or None, initial={"reason": "reviewed"})
         errors = policy_services.document_errors(version.document, revision=version.revision)
         if request.method == "POST" and form.is_valid() and not errors:
@@ -306,7 +317,7 @@ class PolicyVersionAdmin(AuditedAdmin[PolicyVersion]):
 
     def activate_view(self, request: HttpRequest, version_id: int) -> HttpResponse:
         require(request, "budgeting.change_policyalias")
-        version = self.object_or_403(request, version_id)
+        version = self.object_or_404(request, version_id)
 
         def move(data: dict[str, Any]) -> str:
             plan = policy_services.activate(
@@ -363,7 +374,7 @@ class PolicyAliasAdmin(ReadOnlyAdmin[PolicyAlias]):
 
     def rollback_view(self, request: HttpRequest, alias_id: int) -> HttpResponse:
         require(request, "budgeting.change_policyalias")
-        alias = self.object_or_403(request, alias_id)
+        alias = self.object_or_404(request, alias_id)
 
         def move(data: dict[str, Any]) -> str:
             done = policy_services.rollback(

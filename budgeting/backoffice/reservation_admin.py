@@ -76,6 +76,9 @@ def _deltas(entry: LedgerEntry) -> str:
     return ", ".join(f"{name} {signed(value)}" for name, value in parts if value)
 
 
+_PHASE = ("start", "dispatch", "usage", "ledger", "end")
+
+
 def timeline(reservation: Reservation) -> list[TimelineItem]:
     """The reservation's lifecycle in time order: admission, each ledger movement (one line per operation,
     however many accounts it touched), usage events, dispatch and settlement."""
@@ -113,8 +116,6 @@ def timeline(reservation: Reservation) -> list[TimelineItem]:
         detail = _deltas(entry) + (f" on {accounts} accounts" if accounts > 1 else "")
         label = f"{entry.get_kind_display()}: {entry.reason}" if entry.reason else entry.get_kind_display()
         items.append(TimelineItem(entry.created_at, label, detail, "ledger"))
-    items.sort(key=lambda item: item.at)
-    # The terminal state goes last: settled_at is the caller's clock, taken before the entries it wrote.
     if reservation.settled_at:
         items.append(
             TimelineItem(
@@ -125,6 +126,10 @@ def timeline(reservation: Reservation) -> list[TimelineItem]:
         items.append(
             TimelineItem(reservation.updated_at, reservation.state, reservation.failure_reason, "end")
         )
+    # Strictly by time, so the times read down the page never go back; at the same instant, in lifecycle
+    # order. (The terminal state's time is the caller's clock, which can precede the entries it wrote: it
+    # then comes before them, at its own time, rather than last under a later one.)
+    items.sort(key=lambda item: (item.at, _PHASE.index(item.kind)))
     return items
 
 
@@ -307,6 +312,7 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
             for r in needing_a_person().select_related("model_revision")[:BACKLOG_ROWS]
         ]
         backlog = reconciling_backlog(now)
+        slots_freed = Reservation.objects.filter(state=State.RECONCILING, concurrency_held=False).count()
         return admin_page(
             request,
             self,
@@ -318,6 +324,7 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
                 "limit": BACKLOG_ROWS,
                 "can_resolve": request.user.has_perm(RESOLVE_PERMISSION),
                 "backlog": backlog,
+                "slots_freed": slots_freed,
                 "oldest": age_text(backlog["oldestAgeSeconds"])
                 if backlog["oldestAgeSeconds"] is not None
                 else "—",
@@ -329,7 +336,7 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
     def resolve_view(self, request: HttpRequest, reservation_id: UUID) -> HttpResponse:
         """Finance resolves a reservation no evidence can settle: form, confirmation, one service call."""
         require(request, RESOLVE_PERMISSION)
-        reservation = self.object_or_403(request, reservation_id)
+        reservation = self.object_or_404(request, reservation_id)
 
         def apply(data: dict[str, Any]) -> str:
             resolution = Resolution(data["resolution"])

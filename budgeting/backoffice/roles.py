@@ -59,6 +59,7 @@ ROLES: dict[str, tuple[str, ...]] = {
         "budgeting.view_taskclass",
         "budgeting.view_modelpool",
         "budgeting.view_modelrevision",
+        "budgeting.view_tokenizer",
         "reconciliation.view_billingimport",
         "reconciliation.add_billingimport",
         "reconciliation.view_billingfinding",
@@ -92,6 +93,8 @@ ROLES: dict[str, tuple[str, ...]] = {
         "axes.view_accesslog",
         "axes.view_accessfailurelog",
     ),
+    # The analyst reads what the reports are about, so the pages it opens link only to pages it may open:
+    # the catalog objects a report or an account names, and the billing imports a backlog links to.
     ANALYST: (
         "ledger.view_capacityaccount",
         "ledger.view_reservation",
@@ -100,6 +103,15 @@ ROLES: dict[str, tuple[str, ...]] = {
         "budgeting.view_thresholdcrossing",
         "budgeting.view_manifest",
         "budgeting.view_usagereport",
+        "budgeting.view_tenant",
+        "budgeting.view_taskclass",
+        "budgeting.view_modelpool",
+        "budgeting.view_modelrevision",
+        "budgeting.view_tokenizer",
+        "reconciliation.view_billingimport",
+        "reconciliation.view_billingfinding",
+        "reconciliation.view_bucketdrift",
+        "reconciliation.view_billedrequest",
     ),
 }
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 from django.db import transaction
+from django.db.models.functions import Now
 
 from budgeting.admission.count_cache import RedisCountCache
 from budgeting.catalog.changes import Actor, record_change, snapshot
@@ -272,8 +273,12 @@ def activate(
         else:
             before_alias = PolicyAlias.objects.filter(name=alias_name).first()
             before = snapshot(before_alias) if before_alias else None
+            # A queryset update skips auto_now: the move sets "updated at" itself.
             moved = PolicyAlias.objects.filter(name=alias_name, version_id=expected_version_id).update(
-                version_id=version_id, previous_id=expected_version_id, global_cap_floor=None
+                version_id=version_id,
+                previous_id=expected_version_id,
+                global_cap_floor=None,
+                updated_at=Now(),
             )
             if not moved:
                 raise AliasMoved(f"{alias_name} was moved by someone else; review it and confirm again")
@@ -315,7 +320,12 @@ def rollback(
         before = snapshot(before_alias)
         moved = PolicyAlias.objects.filter(
             name=alias_name, version_id=expected_version_id, previous_id=plan.to_version_id
-        ).update(version_id=plan.to_version_id, previous_id=None, global_cap_floor=plan.cap_floor_after)
+        ).update(
+            version_id=plan.to_version_id,
+            previous_id=None,
+            global_cap_floor=plan.cap_floor_after,
+            updated_at=Now(),
+        )
         if not moved:
             raise AliasMoved(f"{alias_name} was moved by someone else; review it and confirm again")
         alias = PolicyAlias.objects.get(name=alias_name)

@@ -30,6 +30,7 @@ from ledger.models import (
     TopUp,
     UsageEvent,
 )
+from ledger.services import slots
 from ledger.services.accounts import ShortageSignal, shortage
 from ledger.services.admission import PROVIDER_ID_CONSTRAINT, provider_request_id_in_use
 from ledger.services.postings import (
@@ -279,6 +280,9 @@ def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
                 reservation.failure_reason = "cancelled"
             elif reservation.state in {State.DISPATCHED, State.RUNNING}:
                 reservation.settle_partially("cancelled after dispatch")
+                # The gateway cancels once it closed the provider connection: the call stopped, so its
+                # slot goes now (SPEC §5); what the provider produced past the usage posted stays held.
+                slots.free_slot(posts, "cancelled after dispatch: the gateway closed the call")
             elif reservation.state == State.PROPOSED:
                 reservation.reject_queued("cancelled while queued")
             elif reservation.failure_reason.startswith("cancelled"):

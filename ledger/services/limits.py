@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Sum
 
 from budgeting.catalog.changes import SYSTEM, Actor, record_change, require_reason, snapshot
 from budgeting.catalog.errors import InvalidChange, NotFound
@@ -29,6 +29,16 @@ class DimensionPreview:
     used: int
     old_limit: int | None
     new_limit: int | None
+    # What active temporary increases add on top of the permanent limit (in both limits above).
+    increase: int = 0
+
+    @property
+    def old_permanent(self) -> int | None:
+        return None if self.old_limit is None else self.old_limit - self.increase
+
+    @property
+    def new_permanent(self) -> int | None:
+        return None if self.new_limit is None else self.new_limit - self.increase
 
     @property
     def changed(self) -> bool:
@@ -55,6 +65,39 @@ def used(account: CapacityAccount) -> dict[str, int]:
         "output": account.output_reserved + account.output_consumed,
         "concurrency": account.in_flight,
     }
+
+
+def active_increases(account: CapacityAccount) -> dict[str, int]:
+    """What the account's temporary increases that have not ended add to each limit, per dimension."""
+    totals = TemporaryIncrease.objects.filter(account=account, ended_at__isnull=True).aggregate(
+        input=Sum("input_tokens"), output=Sum("output_tokens"), concurrency=Sum("concurrency")
+    )
+    return {name: int(total or 0) for name, total in totals.items()}
+
+
+def preview_permanent_limits(
+    account: CapacityAccount,
+    *,
+    input_limit: int | None,
+    output_limit: int | None,
+    concurrency_limit: int | None,
+    increases: dict[str, int] | None = None,
+) -> list[DimensionPreview]:
+    """What an edit of the permanent limits would do, per dimension: active temporary increases stay on top
+    of the new permanent limits (and come off again when they end). Nothing is written."""
+    extra = active_increases(account) if increases is None else increases
+    in_use = used(account)
+    wanted = {"input": input_limit, "output": output_limit, "concurrency": concurrency_limit}
+    previews = []
+    for name in ("input", "output", "concurrency"):
+        old: int | None = getattr(account, f"{name}_limit")
+        # An unlimited dimension carries no increase (a grant refuses one), whatever rows say.
+        increase = 0 if old is None else extra[name]
+        new = wanted[name]
+        previews.append(
+            DimensionPreview(name, in_use[name], old, None if new is None else new + increase, increase)
+        )
+    return previews
 
 
 def preview_limits(
@@ -118,6 +161,68 @@ def set_account_limits(
             reason=reason,
         )
         return preview
+
+
+def set_permanent_limits(
+    *,
+    account_id: int,
+    input_limit: int | None,
+    output_limit: int | None,
+    concurrency_limit: int | None,
+    expected: tuple[int | None, int | None, int | None],
+    reason: str,
+    actor: Actor,
+) -> list[DimensionPreview]:
+    """Set an account's permanent limits: the limits it keeps once its temporary increases end. Active
+    increases stay on top (the stored limit is permanent + increase, as admission reads it), so an edit made
+    during an increase is not cut by the increase when it expires.
+
+    ``expected`` are the limits in force (increases included) that the person saw; if they changed meanwhile
+    nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
+    """
+    reason = require_reason(reason)
+    if any(v is not None and v < 0 for v in (input_limit, output_limit, concurrency_limit)):
+        raise InvalidChange("limits cannot be negative")
+    with transaction.atomic(durable=True):
+        account = _lock(account_id)
+        current = (account.input_limit, account.output_limit, account.concurrency_limit)
+        if current != tuple(expected):
+            raise LimitsChanged(
+                "the limits changed since you looked at them; review the new values and confirm again",
+                current=list(current),
+            )
+        # Read under the account's lock: a grant or an end of an increase locks the account first.
+        increases = active_increases(account)
+        preview = preview_permanent_limits(
+            account,
+            input_limit=input_limit,
+            output_limit=output_limit,
+            concurrency_limit=concurrency_limit,
+            increases=increases,
+        )
+        if not any(p.changed for p in preview):
+            return preview
+        before = {**snapshot(account, LIMIT_FIELDS), "permanent": _permanent(preview, new=False)}
+        new = {f"{p.name}_limit": p.new_limit for p in preview}
+        CapacityAccount.objects.filter(pk=account.pk).update(**new)
+        account.refresh_from_db()
+        record_change(
+            actor=actor,
+            action="account.limits",
+            target=account,
+            before=before,
+            after={
+                **snapshot(account, LIMIT_FIELDS),
+                "permanent": _permanent(preview, new=True),
+                "temporaryIncreases": {k: v for k, v in increases.items() if v},
+            },
+            reason=reason,
+        )
+        return preview
+
+
+def _permanent(preview: list[DimensionPreview], *, new: bool) -> dict[str, int | None]:
+    return {f"{p.name}_limit": p.new_permanent if new else p.old_permanent for p in preview}
 
 
 def _lock(account_id: int) -> CapacityAccount:

@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("ledger", "0011_spend"),
+        ("ledger", "0012_spend"),
         ("reconciliation", "0002_usage_reports_and_costs"),
     ]
 

@@ -29,7 +29,14 @@ def record(
         for name in ("immutableRules", "question", "evidence", "recentTurns")
     }
     return {
-        "lockedRevisions": {"model": "m", "tokenizerDigest": DIGEST, "policyRevision": 18, "estimator": "e1"},
+        "lockedRevisions": {
+            "model": "m",
+            "tokenizerDigest": DIGEST,
+            "policyRevision": 18,
+            "estimator": "e1",
+            "globalCap": 60000,
+            "requestedModelSpec": {"contextWindow": 32768, "maxOutput": 4096, "tokenizerDigest": DIGEST},
+        },
         "rung": rung,
         "components": components,
         "hardBucketChanges": hard_changes,

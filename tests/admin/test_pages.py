@@ -188,8 +188,14 @@ def test_token_rotation_shows_the_new_token_once_and_can_revoke_the_old(users, c
     old = issue_token(client, "tb_old_token_aaaaaaaaaaaaaaaaaaaa")
     platform = login("platform")
     url = reverse("admin:budgeting_serviceclient_rotate", args=[client.pk])
-    html = platform.post(url, {"reason": "leaked in a log", "revoke_current": "on"}).content.decode()
+    form = {"reason": "leaked in a log", "revoke_current": "on", "once": "a1b2"}
+    html = platform.post(url, form).content.decode()
     new = html.split('class="tb-token tb-mono">')[1].split("<")[0]
+    # Refreshing the page that showed the token posts the same form again: no second token, and the first
+    # is not shown again.
+    again = platform.post(url, form, follow=True)
+    assert new not in again.content.decode() and "issued already" in again.content.decode()
+    assert ApiToken.objects.filter(client=client).count() == 2
     assert new.startswith("tb_") and new not in page(platform, "budgeting_serviceclient_change", client.pk)
     reservation_url = "/api/v1/reservations/00000000-0000-0000-0000-000000000000"
     assert Client().get(reservation_url, HTTP_AUTHORIZATION=f"Bearer {old}").status_code == 401

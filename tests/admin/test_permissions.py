@@ -86,17 +86,18 @@ GETS = [
     page("threshold crossings", EVERY_ROLE, lambda w: admin("budgeting_thresholdcrossing_changelist")),
     page("login lockouts", {P}, lambda w: admin("axes_accessattempt_changelist")),
     page("login log", {P}, lambda w: admin("axes_accesslog_changelist")),
+    page("access failures", {P}, lambda w: admin("axes_accessfailurelog_changelist")),
     page("prices", {F}, lambda w: admin("budgeting_price_changelist")),
     page("price add form", {F}, lambda w: admin("budgeting_price_add")),
-    page("tenants", {F, P}, lambda w: admin("budgeting_tenant_changelist")),
-    page("tenant", {F, P}, lambda w: admin("budgeting_tenant_change", w["tenant"].pk)),
+    page("tenants", EVERY_ROLE, lambda w: admin("budgeting_tenant_changelist")),
+    page("tenant", EVERY_ROLE, lambda w: admin("budgeting_tenant_change", w["tenant"].pk)),
     page("tenant add form", {P}, lambda w: admin("budgeting_tenant_add")),
-    page("task classes", {F, P}, lambda w: admin("budgeting_taskclass_changelist")),
+    page("task classes", EVERY_ROLE, lambda w: admin("budgeting_taskclass_changelist")),
     page("task class add form", {P}, lambda w: admin("budgeting_taskclass_add")),
-    page("model pools", {F, P}, lambda w: admin("budgeting_modelpool_changelist")),
-    page("model revisions", {F, P}, lambda w: admin("budgeting_modelrevision_changelist")),
+    page("model pools", EVERY_ROLE, lambda w: admin("budgeting_modelpool_changelist")),
+    page("model revisions", EVERY_ROLE, lambda w: admin("budgeting_modelrevision_changelist")),
     page("model revision add form", {P}, lambda w: admin("budgeting_modelrevision_add")),
-    page("tokenizers", {P}, lambda w: admin("budgeting_tokenizer_changelist")),
+    page("tokenizers", EVERY_ROLE, lambda w: admin("budgeting_tokenizer_changelist")),
     page("tokenizer add form", {P}, lambda w: admin("budgeting_tokenizer_add")),
     page("service clients", {P}, lambda w: admin("budgeting_serviceclient_changelist")),
     page("service client", {P}, lambda w: admin("budgeting_serviceclient_change", w["client"].pk)),
@@ -114,12 +115,19 @@ GETS = [
     page("policy activate form", {P}, lambda w: admin("budgeting_policyversion_activate", w["r18"].pk)),
     page("policy aliases", {P}, lambda w: admin("budgeting_policyalias_changelist")),
     page("policy rollback form", {P}, lambda w: admin("budgeting_policyalias_rollback", w["alias"].pk)),
-    page("billing imports", {F, P}, lambda w: admin("reconciliation_billingimport_changelist")),
-    page("billing import", {F, P}, lambda w: admin("reconciliation_billingimport_change", w["import"].pk)),
+    page("billing imports", EVERY_ROLE, lambda w: admin("reconciliation_billingimport_changelist")),
+    page(
+        "billing import", EVERY_ROLE, lambda w: admin("reconciliation_billingimport_change", w["import"].pk)
+    ),
     page("billing import upload form", {F}, lambda w: admin("reconciliation_billingimport_upload")),
-    page("billing findings", {F, P}, lambda w: admin("reconciliation_billingfinding_changelist")),
-    page("bucket drifts", {F, P}, lambda w: admin("reconciliation_bucketdrift_changelist")),
-    page("billed requests", {F, P}, lambda w: admin("reconciliation_billedrequest_changelist")),
+    page(
+        "billing import remove form",
+        {F},
+        lambda w: admin("reconciliation_billingimport_remove", w["import"].pk),
+    ),
+    page("billing findings", EVERY_ROLE, lambda w: admin("reconciliation_billingfinding_changelist")),
+    page("bucket drifts", EVERY_ROLE, lambda w: admin("reconciliation_bucketdrift_changelist")),
+    page("billed requests", EVERY_ROLE, lambda w: admin("reconciliation_billedrequest_changelist")),
 ]
 
 REASON = {"reason": "matrix test"}
@@ -189,7 +197,7 @@ POSTS = [
         "rotate token",
         {P},
         lambda w: admin("budgeting_serviceclient_rotate", w["client"].pk),
-        lambda w: {**REASON, "revoke_current": ""},
+        lambda w: {**REASON, "revoke_current": "", "once": "matrix"},
     ),
     page(
         "validate draft",
@@ -319,6 +327,7 @@ def test_every_admin_page_and_action_is_in_the_matrix():
         "budgeting_policyversion_activate",
         "budgeting_policyalias_rollback",
         "reconciliation_billingimport_upload",
+        "reconciliation_billingimport_remove",
         "budgeting_policyversion_schema",  # public: the published policy JSON Schema
     }
     assert custom == covered
@@ -326,7 +335,7 @@ def test_every_admin_page_and_action_is_in_the_matrix():
 
 INDEX_LINKS = {
     "Capacity accounts": EVERY_ROLE,
-    "Tokenizers": {P},
+    "Tokenizers": EVERY_ROLE,
     "Policy versions": {P},
     "Prices": {F},
     "Temporary increases": {F, A},
@@ -334,7 +343,7 @@ INDEX_LINKS = {
     "Access attempts": {P},
     "Usage report": EVERY_ROLE,
     "Reservations": EVERY_ROLE,
-    "Billing imports": {F, P},
+    "Billing imports": EVERY_ROLE,
     "Change log": {F, P},
 }
 

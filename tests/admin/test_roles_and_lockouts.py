@@ -84,7 +84,7 @@ def test_repeated_failures_lock_out_the_username_then_platform_lifts_it(users, s
     assert "finance" in login("platform").get(lockouts).content.decode()
     assert login("analyst").get(lockouts).status_code == 403
     rows = list(AccessAttempt.objects.filter(username="finance").values_list("pk", flat=True))
-    lift = {"action": "delete_selected", "_selected_action": rows, "post": "yes"}
+    lift = {"action": "lift", "_selected_action": rows, "reason": "forgot the password"}
     assert login("platform").post(lockouts, lift).status_code == 302
     assert not AccessAttempt.objects.filter(username="finance").exists()
     signed_in = Client().post(LOGIN, {"username": "finance", "password": PASSWORD}, REMOTE_ADDR="10.9.9.9")

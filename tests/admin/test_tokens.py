@@ -120,6 +120,7 @@ def test_rotation_can_retire_the_current_tokens_at_a_chosen_time(users, cat):
                 "name": "gateway eu-1",
                 "expires_at": expires.strftime("%Y-%m-%dT%H:%M"),
                 "retire_at": retire_at.strftime("%Y-%m-%dT%H:%M"),
+                "once": "yearly",
             },
         )
         .content.decode()

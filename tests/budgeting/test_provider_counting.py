@@ -25,6 +25,7 @@ from budgeting.admission.count_cache import count_cache
 from budgeting.admission.counters import service
 from budgeting.admission.decision_memo import decision_memo
 from budgeting.admission.models import Manifest
+from budgeting.admission.replay import replay_manifest
 from budgeting.catalog.models import ModelPool, ModelRevision, PolicyAlias, PolicyState, PolicyVersion
 from budgeting.catalog.snapshot import ACTIVE_ALIAS
 from budgeting.observability import metrics
@@ -145,6 +146,12 @@ def test_a_degraded_walk_asks_the_provider_for_two_payloads_not_one_per_rung(
         "NARROW_WORKFLOW",
         "TRIM_EVIDENCE",
     ]
+
+    # The replay decides again from the recorded provider counts, and calls nothing.
+    attempts = sim.count_attempts
+    replayed = replay_manifest(data["manifestId"])
+    assert replayed.differences == [], replayed.differences
+    assert sim.count_attempts == attempts
 
 
 @pytest.mark.parametrize("fault", ["rate_limited", "http_5xx"])

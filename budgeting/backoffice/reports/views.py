@@ -20,6 +20,7 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from budgeting.api.problems import PROBLEM_CONTENT_TYPE, Problem, problem_body, status_of
+from budgeting.backoffice.formats import money_places
 from budgeting.backoffice.reports import selectors, spend
 from budgeting.backoffice.reports.charts import backlog_chart, deviation_chart, rung_chart
 from budgeting.backoffice.reports.document import report
@@ -122,6 +123,11 @@ def report_page(request: HttpRequest, context: dict[str, Any]) -> TemplateRespon
         errors[str(exc.extra.get("field", "from"))] = exc.detail
         query = parse_query({}, today=now.date())
     data = report(query, now=now)
+    cost = {currency: Decimal(amount) for currency, amount in data["totals"]["cost"].items()}
+    # One number of decimals per currency for the whole column and its total, so that the rows add up.
+    column = [
+        {r["currency"]: Decimal(r["cost"])} for r in data["usage"] if r.get("cost") and r.get("currency")
+    ]
     return TemplateResponse(
         request,
         "admin/budgeting/report.html",
@@ -133,7 +139,8 @@ def report_page(request: HttpRequest, context: dict[str, Any]) -> TemplateRespon
             "errors": errors,
             "report": data,
             "generated_at": now,
-            "cost": {currency: Decimal(amount) for currency, amount in data["totals"]["cost"].items()},
+            "cost": cost,
+            "money_places": money_places(column, cost),
             "usage_preview": data["usage"][:100],
             "rung_chart": rung_chart(*selectors.requests_over_time(query)),
             "deviation_chart": deviation_chart(data["deviationHistogram"]),
@@ -150,6 +157,8 @@ def tenant_spend_page(request: HttpRequest, context: dict[str, Any], tenant: Ten
     """A tenant's spend this month: to date, projected to the month's end, by model revision and task class
     (the caller, UsageReportAdmin, has checked the permission)."""
     now = timezone.now()
+    to_date = spend.spend(now=now, tenant=tenant.slug)
+    rows = spend.tenant_breakdown(tenant.slug, now)
     return TemplateResponse(
         request,
         "admin/budgeting/tenant_spend.html",
@@ -158,8 +167,9 @@ def tenant_spend_page(request: HttpRequest, context: dict[str, Any], tenant: Ten
             "title": f"Spend of {tenant.slug}",
             "tenant": tenant,
             "now": now,
-            "spend": spend.spend(now=now, tenant=tenant.slug),
-            "rows": spend.tenant_breakdown(tenant.slug, now),
+            "spend": to_date,
+            "rows": rows,
+            "money_places": money_places([r.totals.cost for r in rows], to_date.to_date),
             "run_rate_days": spend.RUN_RATE_DAYS,
         },
     )

@@ -9,7 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from reconciliation.billing import import_export
+from reconciliation.billing import ExportRefused, import_export
 from reconciliation.providers.exports import EXPORT_FORMATS, BillingExportFormat
 
 
@@ -39,6 +39,9 @@ class Command(BaseCommand):
             text = path.read_bytes().decode("utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise CommandError(f"cannot read {path}: {exc}") from None
-        result = import_export(text=text, fmt=fmt, source=path.name, now=timezone.now())
+        try:
+            result = import_export(text=text, fmt=fmt, source=path.name, now=timezone.now())
+        except ExportRefused as refused:
+            raise CommandError(refused.detail) from None
         label = "imported" if result.created else "already imported (nothing changed)"
         self.stdout.write(f"{label}: {json.dumps(result.summary(), sort_keys=True)}")

@@ -307,6 +307,8 @@ class Summary:
     billed: BillingComparison
     billing: BillingCheck
     checked_at: datetime
+    provider_counts: int
+    """Counting requests the simulator answered (Anthropic count_tokens for the provider-counted model)."""
 
     @classmethod
     def collect(cls, fleet: Fleet, sim: Simulator, billing: BillingCheck, *, vouching: bool) -> Summary:
@@ -336,6 +338,7 @@ class Summary:
             billed=sim.compare(settled),
             billing=billing,
             checked_at=now,
+            provider_counts=len(sim.counts()),
         )
 
     def problems(self) -> list[str]:
@@ -397,6 +400,10 @@ class Summary:
             f"violations, {count(len(self.audit.leaks))} leaks",
         ]
         lines += [f"    {line}" for line in (self.audit.violations + self.audit.leaks)[:20]]
+        lines.append(
+            f"provider counting API: {count(self.provider_counts)} counts answered by the simulator "
+            "(countMethod PROVIDER_COUNT; repeated payloads come from the count cache)"
+        )
         b = self.billed
         lines += [
             "settled vs the simulator's billing (input/output tokens per provider request)",

@@ -57,8 +57,8 @@ DROP FUNCTION IF EXISTS ledger_account_currency_kept();
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0019_price_cached_input"),
-        ("ledger", "0010_rejected_queue_released"),
+        ("budgeting", "0022_price_cached_input"),
+        ("ledger", "0011_slot_free_entries"),
     ]
 
     operations = [

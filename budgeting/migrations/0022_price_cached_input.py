@@ -12,7 +12,7 @@ UNBUMP = "DROP TRIGGER IF EXISTS budgeting_price_bumps_catalog ON budgeting_pric
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("budgeting", "0018_model_revision_counter"),
+        ("budgeting", "0021_mistral_tokenizer_families"),
     ]
 
     operations = [
