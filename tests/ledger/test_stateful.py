@@ -269,7 +269,8 @@ class LedgerMachine(RuleBasedStateMachine):
             model.release_money()
         elif model.state in {"DISPATCHED", "RUNNING"}:
             assert err is None
-            model.state, model.reason = "PARTIALLY_SETTLED", "cancelled"
+            # The gateway closed the call: its concurrency slot is freed now, its tokens stay held.
+            model.state, model.reason, model.held = "PARTIALLY_SETTLED", "cancelled", False
         elif model.reason == "cancelled":
             assert err is None
         else:
