@@ -10,11 +10,9 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Subquery
 from django.utils import timezone
 
 from budgeting.catalog.errors import Conflict, NotFound
-from budgeting.catalog.models import ModelPool
 from ledger import locks
 from ledger.errors import (
     InvalidTransition,
@@ -102,11 +100,10 @@ def dispatch(
                     return reservation
                 raise _refuse(reservation, "dispatch")
             reservation.dispatch(provider_request_id)
-            # The adapter and endpoint the pool names now, read by the reservation's own UPDATE (no statement
-            # of their own); the returned instance holds these expressions, not their values.
-            pool = ModelPool.objects.filter(pk=reservation.model_pool_id)
-            reservation.provider_adapter = Subquery(pool.values("adapter")[:1])
-            reservation.provider_endpoint = Subquery(pool.values("provider_base_url")[:1])
+            # The adapter and endpoint the pool names now, read with the row's lock
+            # (``locks.lock_reservation``: no statement of their own).
+            reservation.provider_adapter = reservation.pool_adapter  # type: ignore[attr-defined]
+            reservation.provider_endpoint = reservation.pool_endpoint  # type: ignore[attr-defined]
             reservation.dispatched_at = now
             posts = Postings(reservation, held_account_ids(reservation))
             n = reservation.input_reserved

@@ -20,7 +20,7 @@ from django.utils import timezone
 from budgeting.backoffice.reports.pricing import usage_rows
 from budgeting.backoffice.reports.query import ReportQuery
 from budgeting.catalog.prices import cost, from_micro
-from budgeting.observability.metrics import registry
+from budgeting.observability.scrape import registry
 from budgeting.provisioning.apply import apply_config
 from budgeting.provisioning.source import load_file
 from ledger.models import CapacityAccount, Reservation, Scope

@@ -21,7 +21,9 @@ from tokenbudget_gateway.client import DiePoint, PausePoint
 from tokenbudget_gateway.errors import ApiError, ClientDied, StaleFence
 from tokenbudget_gateway.protocol import provider_request_id_for
 
+from budgeting.admission import tasks as admission_tasks
 from budgeting.celery import app as celery_app
+from ledger import tasks as ledger_tasks
 from ledger.models import EntryKind, Hold, LedgerEntry, Outcome, Reservation, State, UsageEvent
 from reconciliation import tasks
 from reconciliation.models import BillingImport
@@ -417,9 +419,9 @@ def test_two_beats_running_every_task_at_once(platform: Platform, sim: Simulator
         tasks.reclaim_expired_leases,
         tasks.lookup_unknown_outcomes,
         tasks.import_provider_billing,
-        tasks.admit_queued,
-        tasks.audit_ledger,
-        tasks.roll_periods,
+        admission_tasks.admit_queued,
+        ledger_tasks.audit_ledger,
+        ledger_tasks.roll_periods,
     ]
     reports = run_in_threads(2, lambda _: [task() for task in beat])
     reclaimed = [report[0] for report in reports]
