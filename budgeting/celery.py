@@ -12,7 +12,10 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
 
 app = Celery("budgeting")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+# Each installed app's ``tasks`` module (budgeting, ledger, reconciliation), and admission's, a room of the
+# budgeting app.
 app.autodiscover_tasks()
+app.autodiscover_tasks(["budgeting.admission"])
 
 app.conf.beat_schedule = {
     "reclaim-expired-leases": {"task": "reconciliation.reclaim_expired_leases", "schedule": 15.0},

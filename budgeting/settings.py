@@ -278,6 +278,7 @@ SPECTACULAR_SETTINGS = {
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = None
+# Every task's options, once: acked after it ran, given back when its worker dies, stopped when it hangs.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

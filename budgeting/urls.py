@@ -4,7 +4,7 @@ from drf_spectacular.views import SpectacularAPIView
 
 from budgeting.api import openapi, problem_pages, views
 from budgeting.backoffice.reports import views as report_views
-from budgeting.observability import metrics
+from budgeting.observability import scrape
 
 R = "api/v1/reservations/<str:reservation_id>"
 
@@ -35,6 +35,6 @@ urlpatterns = [
 
 # The people's side: Prometheus scrape and the analysts' reports (staff session users, not gateway tokens).
 urlpatterns += [
-    path("metrics", metrics.metrics_view, name="metrics"),
+    path("metrics", scrape.metrics_view, name="metrics"),
     path("api/v1/reports", report_views.reports_api, name="reports"),
 ]

@@ -20,6 +20,10 @@ from tokenizers import Tokenizer
 from ladder.counting import CountingUnavailable, SegmentCounter, TokenizerCounter, UpperBoundRule, file_digest
 from ladder.counting import upper_bound_rule as json_upper_bound_rule
 from ladder.encoders import TiktokenCounter, llama3_chunks, parse_tiktoken_bpe
+from ladder.mistral import load_mistral
+
+Loader = Callable[[bytes, str, str], SegmentCounter]
+"""Builds a counter from a file's bytes, its digest and its file name."""
 
 
 class UnknownFamily(ValueError):
@@ -63,24 +67,24 @@ LLAMA3_SPECIALS = (
 )
 
 
-def _hf_json(data: bytes, digest: str) -> SegmentCounter:
+def _hf_json(data: bytes, digest: str, name: str) -> SegmentCounter:
     tokenizer = Tokenizer.from_buffer(data)
     # Content that spells a special token is counted as the text it is, never as the special token.
     tokenizer.encode_special_tokens = True
     return TokenizerCounter(tokenizer, digest)
 
 
-def _openai(name: str, pattern: str) -> Callable[[bytes, str], SegmentCounter]:
-    def load(data: bytes, digest: str) -> SegmentCounter:
+def _openai(encoding_name: str, pattern: str) -> Loader:
+    def load(data: bytes, digest: str, name: str) -> SegmentCounter:
         encoding = tiktoken.Encoding(
-            name=name, pat_str=pattern, mergeable_ranks=parse_tiktoken_bpe(data), special_tokens={}
+            name=encoding_name, pat_str=pattern, mergeable_ranks=parse_tiktoken_bpe(data), special_tokens={}
         )
         return TiktokenCounter(encoding, digest, specials={})
 
     return load
 
 
-def _llama3(data: bytes, digest: str) -> SegmentCounter:
+def _llama3(data: bytes, digest: str, name: str) -> SegmentCounter:
     ranks = parse_tiktoken_bpe(data)
     # Meta's tokenizer numbers 256 special tokens after the vocabulary: its named ones, then reserved ones.
     names = LLAMA3_SPECIALS + tuple(
@@ -93,33 +97,58 @@ def _llama3(data: bytes, digest: str) -> SegmentCounter:
     return TiktokenCounter(encoding, digest, specials=specials, chunks=llama3_chunks)
 
 
+def _json_bound(data: bytes) -> UpperBoundRule | None:
+    document = json.loads(data)
+    if not isinstance(document, dict):
+        raise ValueError("a tokenizers JSON file is an object")
+    return json_upper_bound_rule(document)
+
+
+def _tiktoken_bound(data: bytes) -> UpperBoundRule | None:
+    # Every token of a tiktoken vocabulary is a non-empty byte string and nothing normalises the text first,
+    # so a text never has more tokens than UTF-8 bytes (the Llama 3 cutting only splits the text).
+    parse_tiktoken_bpe(data)
+    return "UTF8_BYTES"
+
+
+def _tekken_check(data: bytes) -> UpperBoundRule | None:
+    # No approved bound: Mistral's rendering re-serialises tool JSON and merges messages, so the bytes of the
+    # request JSON are not proven to exceed its tokens.
+    document = json.loads(data)
+    if not isinstance(document, dict) or not {"config", "vocab"} <= document.keys():
+        raise ValueError("a tekken file has a config and a vocab")
+    return None
+
+
+def _sentencepiece_check(data: bytes) -> UpperBoundRule | None:
+    import sentencepiece
+
+    try:
+        sentencepiece.SentencePieceProcessor(model_proto=data)
+    except Exception as exc:  # the C++ loader raises plain RuntimeError/OSError for anything malformed
+        raise ValueError(f"not a sentencepiece model: {exc}") from exc
+    # No approved bound: sentencepiece adds a dummy prefix to each piece mistral_common encodes.
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
-    """One tokenizer family: its loader, the chat templates proven for it, and how its bound is found."""
+    """One tokenizer family: its loader, the chat templates proven for it, and its file check and bound."""
 
     name: str
     description: str
     templates: frozenset[str]
-    loader: Callable[[bytes, str], SegmentCounter]
-    # None: the bound is read from the file (a ``tokenizers`` JSON says whether it normalises).
-    fixed_bound: UpperBoundRule | None = None
+    loader: Loader
+    check: Callable[[bytes], UpperBoundRule | None]
 
     def bound_rule(self, data: bytes) -> UpperBoundRule | None:
         """Return the upper-bound rule proven for this file of the family, or None.
 
         Raises ValueError when the bytes are not a file of this family's format.
         """
-        if self.fixed_bound is None:
-            document = json.loads(data)
-            if not isinstance(document, dict):
-                raise ValueError("a tokenizers JSON file is an object")
-            return json_upper_bound_rule(document)
-        parse_tiktoken_bpe(data)
-        return self.fixed_bound
+        return self.check(data)
 
 
-# Every token of a tiktoken vocabulary is a non-empty byte string and nothing normalises the text first, so a
-# text never has more tokens than UTF-8 bytes (the Llama 3 cutting only splits the text).
 FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
@@ -128,33 +157,49 @@ FAMILIES: dict[str, Family] = {
             "Hugging Face tokenizers JSON, byte-level BPE without a normaliser",
             frozenset({"deepseek", "meta"}),
             _hf_json,
+            _json_bound,
         ),
         Family(
             "byte-level-bpe-nfkc",
             "Hugging Face tokenizers JSON, byte-level BPE after NFKC",
             frozenset({"deepseek", "meta"}),
             _hf_json,
+            _json_bound,
         ),
         Family(
             "o200k_base",
             "OpenAI o200k_base (tiktoken BPE file): GPT-4o, 4.1, 5, o-series",
             frozenset({"openai"}),
             _openai("o200k_base", O200K_PATTERN),
-            "UTF8_BYTES",
+            _tiktoken_bound,
         ),
         Family(
             "cl100k_base",
             "OpenAI cl100k_base (tiktoken BPE file): GPT-4, GPT-3.5",
             frozenset({"openai"}),
             _openai("cl100k_base", CL100K_PATTERN),
-            "UTF8_BYTES",
+            _tiktoken_bound,
         ),
         Family(
             "llama3",
             "Meta Llama 3.x (tiktoken BPE file, Meta's pattern and 256 special tokens)",
             frozenset({"llama3"}),
             _llama3,
-            "UTF8_BYTES",
+            _tiktoken_bound,
+        ),
+        Family(
+            "mistral-tekken",
+            "Mistral tekken JSON (Nemo, Pixtral, Large 2, Small 3), framed by mistral_common",
+            frozenset({"mistral"}),
+            load_mistral,
+            _tekken_check,
+        ),
+        Family(
+            "mistral-sentencepiece",
+            "Mistral sentencepiece .model.v3/.v7 (7B v0.3, Mixtral, Large 2411), framed by mistral_common",
+            frozenset({"mistral"}),
+            load_mistral,
+            _sentencepiece_check,
         ),
     )
 }
@@ -196,7 +241,7 @@ def load_counter(family: str, path: Path, *, expected_digest: str | None = None)
         if counter is None:
             data = path.read_bytes()
             digest = file_digest(data)
-            counter = loader(data, digest)
+            counter = loader(data, digest, path.name)
             with _LOCK:
                 counter = _BY_DIGEST.setdefault(f"{family}:{digest}", counter)
                 _DIGEST_BY_STAT[key] = digest

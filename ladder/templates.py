@@ -10,12 +10,14 @@ goes into every count cache key: changing a template's text means a new revision
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from ladder.components import Components, ImagePart, TextPart, ToolCall
 from ladder.messages import Message, RenderMemo, Segment, TemplateError, build_payload, messages
@@ -86,13 +88,13 @@ def _piece(message: Message, segment: Segment) -> Piece | None:
 
 
 def check_boundaries(pieces: Sequence[Piece]) -> None:
-    """Check the counting rule: the stream starts with a special and ends with a special or a cut, and no two
-    other pieces touch (a special or a cut separates them).
+    """Check the counting rule: the stream starts and ends with a special or a cut, and no two other pieces
+    touch (a special or a cut separates them).
 
     Raises TemplateError when the rule is broken (a template bug: counts would no longer add up).
     """
-    if not pieces or not isinstance(pieces[0], Special) or not isinstance(pieces[-1], Special | Cut):
-        raise TemplateError("a stream must start with a special token and end with a special token or a cut")
+    if not pieces or not isinstance(pieces[0], Special | Cut) or not isinstance(pieces[-1], Special | Cut):
+        raise TemplateError("a stream must start and end with a special token or a cut")
     for left, right in itertools.pairwise(pieces):
         if not isinstance(left, Special | Cut) and not isinstance(right, Special | Cut):
             raise TemplateError(f"adjacent non-special pieces: {left!r} / {right!r}")
@@ -440,11 +442,108 @@ class Llama3Template(ChatTemplate):
         return json.dumps({"type": "function", "name": call.name, "parameters": arguments})
 
 
+_VALID_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def mistral_call_id(call_id: str) -> str:
+    """Return ``call_id`` if Mistral accepts it, else nine letters and digits derived from it."""
+    if _VALID_ID.fullmatch(call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode("utf-8")).digest()[:8], "big")
+    out = []
+    for _ in range(9):
+        number, digit = divmod(number, len(_ALPHABET))
+        out.append(_ALPHABET[digit])
+    return "".join(out)
+
+
+def _with_mistral_ids(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for entry in entries:
+        entry = dict(entry)
+        if "tool_call_id" in entry:
+            entry["tool_call_id"] = mistral_call_id(str(entry["tool_call_id"]))
+        if entry.get("tool_calls"):
+            entry["tool_calls"] = [dict(call, id=mistral_call_id(call["id"])) for call in entry["tool_calls"]]
+        out.append(entry)
+    return out
+
+
+def _request_json(message_list: tuple[Message, ...]) -> str:
+    """The request as a Mistral endpoint reads it (images left out), as compact JSON."""
+    entries: list[dict[str, Any]] = []
+    tools: list[Any] = []
+    for message in message_list:
+        if not message.in_payload:
+            if message.bucket == "tools":
+                tools.extend(json.loads(segment.part.text) for segment in _texts(message))
+            continue
+        content: list[dict[str, str]] | None = [
+            {"type": "text", "text": segment.part.text} for segment in _texts(message)
+        ]
+        entry: dict[str, Any] = {"role": message.role, "content": content}
+        if message.role == "tool":
+            entry["tool_call_id"] = message.tool_call_id
+        if message.calls:
+            # As build_payload: no content only when the message has no part at all (images included).
+            entry["content"] = content if message.segments else None
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in message.calls
+            ]
+        entries.append(entry)
+    request: dict[str, Any] = {"messages": _with_mistral_ids(entries)}
+    if tools:
+        request["tools"] = tools
+    # Key order kept: Mistral re-serialises tool schemas in the order the payload gives them.
+    return json.dumps(request, ensure_ascii=False, separators=(",", ":"))
+
+
+def _texts(message: Message) -> Iterator[Any]:
+    return (segment for segment in message.segments if isinstance(segment.part, TextPart))
+
+
+class MistralTemplate(ChatTemplate):
+    """The request JSON (counted by ``MistralCounter``), then each image and the output schema."""
+
+    family = "mistral"
+    revision = "mistral/1"
+    specials = frozenset()
+
+    def payload(self, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
+        """The chat-completions payload, with tool-call ids as Mistral accepts them."""
+        payload = build_payload(components, memo)
+        entries = payload["messages"]
+        assert isinstance(entries, list)
+        payload["messages"] = _with_mistral_ids(entries)
+        return payload
+
+    def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
+        yield Cut()
+        yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, _request_json(message_list))
+        yield Cut()
+        for message in message_list:
+            for segment in message.segments:
+                part = segment.part
+                if isinstance(part, ImagePart):
+                    yield Image(message.bucket, message.object_id, part.width, part.height)
+                    yield Cut()
+                elif message.bucket == "outputSchema":
+                    yield Bound(message.bucket, message.object_id, part.text)
+                    yield Cut()
+
+
 _TEMPLATES: dict[str, ChatTemplate] = {
     DeepSeekTemplate.family: DeepSeekTemplate(),
     MetaTemplate.family: MetaTemplate(),
     OpenAITemplate.family: OpenAITemplate(),
     Llama3Template.family: Llama3Template(),
+    MistralTemplate.family: MistralTemplate(),
 }
 TEMPLATE_FAMILIES: tuple[str, ...] = tuple(sorted(_TEMPLATES))
 

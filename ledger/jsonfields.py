@@ -7,9 +7,8 @@ encoder, so what can be stored is what ``DjangoJSONEncoder`` can store.
 ``PackedJSONField`` is for the documents an admission must keep whole and nobody queries into: the manifest's
 request (for replay) and the reservation's stored answer (for idempotent retries), each about the size of the
 request (~185 KB for a 20k-token request). As ``jsonb`` PostgreSQL parsed each into its binary form and then
-compressed it on the admission's one transaction: 6.2 ms for the two, against 1.5 ms for the same INSERT of
-bytes compressed here with lz4 (0.23 ms each), and a commit half as long (an INSERT-and-commit experiment with
-the 20k-token request of ``bench/path_bench.py``, one machine, one run). The column is ``bytea``: JSON
+compressed it on the admission's one transaction, several times slower than the same INSERT of bytes
+compressed here with lz4 (measured: bench/README.md). The column is ``bytea``: JSON
 text as UTF-8, lz4-framed above ``PACK_ABOVE_BYTES`` (a frame starts with a magic number no JSON text can
 start with, so plain and framed values read alike). Reads give back what ``JSONField`` gives.
 """
@@ -90,9 +89,9 @@ class PackColumn(migrations.RunPython):
     """A migration's change of a ``jsonb`` column to ``PackedJSONField``'s ``bytea``, and back.
 
     Forward, the rewrite keeps each existing document as its JSON text (PostgreSQL compresses the large ones
-    as before); then storage becomes EXTERNAL, so new lz4 frames are not compressed again (pglz spent 3.5 ms
-    failing to shrink two 62 KB frames). Backward, the frames are unpacked here and the column is ``jsonb``
-    again.
+    as before); then storage becomes EXTERNAL, so new lz4 frames are not compressed again (pglz only spends
+    time failing to shrink them; measured: bench/README.md). Backward, the frames are unpacked here and the
+    column is ``jsonb`` again.
     """
 
     def __init__(self, table: str, column: str) -> None:

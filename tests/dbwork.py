@@ -17,6 +17,7 @@ from unittest import mock
 
 import psycopg
 from django.db import connection
+from psycopg.conninfo import make_conninfo
 
 WRITES = ("INSERT", "UPDATE", "DELETE", "WITH")
 
@@ -86,3 +87,12 @@ def count_db_work() -> Iterator[DbWork]:
         mock.patch.object(psycopg.Cursor, "executemany", executemany),
     ):
         yield work
+
+
+def second_connection(**options: Any) -> psycopg.Connection[Any]:
+    """Another connection to the test database as Django's own logs in: ``info.dsn`` leaves the password out,
+    which the embedded PostgreSQL of ``./platform test`` (no DATABASE_URL) requires."""
+    connection.ensure_connection()
+    password = connection.settings_dict["PASSWORD"]
+    dsn = connection.connection.info.dsn
+    return psycopg.connect(make_conninfo(dsn, **({"password": password} if password else {})), **options)

@@ -19,8 +19,8 @@ from rest_framework.utils.encoders import JSONEncoder
 
 _DRF = JSONEncoder()
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATETIME
-# U+2028 and U+2029 in UTF-8. Both start with the byte 0xE2, which a memchr finds (or not) in about a
-# microsecond in 185 KB; two bytes.replace scans of the same answer took 0.2 ms.
+# U+2028 and U+2029 in UTF-8. Both start with the byte 0xE2, which a memchr finds (or not) far faster than two
+# bytes.replace scans of the answer (measured: bench/README.md).
 _SEPARATORS = re.compile(b"\xe2\x80[\xa8\xa9]")
 _ESCAPED = {b"\xe2\x80\xa8": b"\\u2028", b"\xe2\x80\xa9": b"\\u2029"}
 

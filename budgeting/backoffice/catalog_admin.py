@@ -103,6 +103,7 @@ class ModelPoolForm(AuditedForm):
             "provider_base_url",
             "api_key_env",
             "admin_key_env",
+            "max_call_seconds",
         ]
 
     def _env_name(self, name: str) -> str:

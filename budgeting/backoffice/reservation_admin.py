@@ -312,6 +312,7 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
             for r in needing_a_person().select_related("model_revision")[:BACKLOG_ROWS]
         ]
         backlog = reconciling_backlog(now)
+        slots_freed = Reservation.objects.filter(state=State.RECONCILING, concurrency_held=False).count()
         return admin_page(
             request,
             self,
@@ -323,6 +324,7 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
                 "limit": BACKLOG_ROWS,
                 "can_resolve": request.user.has_perm(RESOLVE_PERMISSION),
                 "backlog": backlog,
+                "slots_freed": slots_freed,
                 "oldest": age_text(backlog["oldestAgeSeconds"])
                 if backlog["oldestAgeSeconds"] is not None
                 else "—",

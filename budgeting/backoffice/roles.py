@@ -14,9 +14,10 @@ Permissions are Django's own model permissions, read with their admin meaning:
 Finance manages limits and money, platform the catalog, policies, tokens and lockouts, and the analyst reads:
 reports, and balances and limits without changing them. People get a role with ``manage.py grant_role``.
 
-``sync_roles`` makes the groups hold exactly these permissions. It runs from a data migration and is safe to
-run again: migration 0004 re-runs it once the billing-import models exist, and a migration that adds models
-whose permissions a role needs should do the same.
+``sync_roles`` makes the groups hold exactly these permissions (``grant_role`` runs it first). Migrations
+never import this module: each one that sets the roles freezes its lists in
+``budgeting/migrations/_roles.py``, so a change here needs a migration with the new lists (a test compares
+the last frozen lists with these).
 """
 
 from __future__ import annotations
@@ -141,18 +142,6 @@ def sync_roles(apps: Any = global_apps) -> dict[str, list[str]]:
                 found.append(permission)
         group.permissions.set(found)
     return missing
-
-
-def sync_roles_in_migration(apps: Any) -> None:
-    """``sync_roles`` from a data migration: the permissions of models created earlier in the same migrate
-    run do not exist yet (Django makes them after the run), so they are made first."""
-    from django.contrib.auth.management import create_permissions
-
-    for app_config in apps.get_app_configs():
-        app_config.models_module = True
-        create_permissions(app_config, apps=apps, verbosity=0)
-        app_config.models_module = None
-    sync_roles(apps)
 
 
 def roles_of(user: User) -> list[str]:

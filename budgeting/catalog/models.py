@@ -110,6 +110,12 @@ class ModelPool(models.Model):
         help_text="Name of the environment variable holding the organization admin key; the usage and cost "
         "import from the provider's API is off until it is set.",
     )
+    max_call_seconds = models.PositiveIntegerField(
+        default=600,
+        help_text="The longest a provider call of this pool can run. A call whose lease expired and that was "
+        "dispatched longer ago than this cannot still be running: its concurrency slot is released (SPEC §5) "
+        "while its tokens stay held until evidence.",
+    )
 
     class Meta:
         ordering = ["slug"]

@@ -30,6 +30,8 @@ class Asset:
 LITELLM = "litellm==1.110.2"
 _TOKENIZERS = "litellm/litellm_core_utils/tokenizers/"
 LLAMA_MODELS = "llama-models==0.3.0"
+MISTRAL_COMMON = "mistral-common==1.13.1"
+_MISTRAL_DATA = "mistral_common/data/"
 
 ASSETS: tuple[Asset, ...] = (
     Asset(
@@ -77,6 +79,38 @@ ASSETS: tuple[Asset, ...] = (
         LLAMA_MODELS,
         "llama_models-0.3.0.dist-info/licenses/LICENSE",
         "8a9aa234c748b9831a209810962cb0401200a2458ab42e8b3809d96d3c71b7c6",
+    ),
+    # Mistral's tokenizers as mistral_common ships them (Apache-2.0); the names keep the instruct-version
+    # suffix mistral_common reads.
+    Asset(
+        "tekken_240911.json",
+        MISTRAL_COMMON,
+        _MISTRAL_DATA + "tekken_240911.json",
+        "1948e2d48b0e7377f1bb5f1210f1ae5f984934e75713fc07e2452729b8365316",
+    ),
+    Asset(
+        "tekken_240718.json",
+        MISTRAL_COMMON,
+        _MISTRAL_DATA + "tekken_240718.json",
+        "eccd1665d2e477697c33cb7f0daa6f6dfefc57a0a6bceb66d4be52952f827516",
+    ),
+    Asset(
+        "mistral_instruct_tokenizer_240323.model.v3",
+        MISTRAL_COMMON,
+        _MISTRAL_DATA + "mistral_instruct_tokenizer_240323.model.v3",
+        "9addc8bdce5988448ae81b729336f43a81262160ae8da760674badab9d4c7d33",
+    ),
+    Asset(
+        "mistral_instruct_tokenizer_241114.model.v7",
+        MISTRAL_COMMON,
+        _MISTRAL_DATA + "mistral_instruct_tokenizer_241114.model.v7",
+        "1b968b8dc352f42192367337c78ccc61e1eaddc6d641a579372d4f20694beb7a",
+    ),
+    Asset(
+        "mistral.LICENSE",
+        MISTRAL_COMMON,
+        "mistral_common-1.13.1.dist-info/licenses/LICENSE",
+        "5ed6f79e77734b5a60740dd821af5ecac9a6f33709c860eea4e20fcb6cca7fcc",
     ),
     Asset(
         "litellm.LICENSE",

@@ -26,7 +26,7 @@ class _PreparingCursor(psycopg.RawCursor[Any]):
 def _numbered(sql: str) -> str:
     """``sql`` with its ``%s`` placeholders numbered as PostgreSQL's ($1, $2, …). psycopg would find them
     itself on every call for a statement as long as the reserving one (it caches the result only for
-    statements under 4 KB and 50 parameters): 0.5 ms per admission."""
+    statements under 4 KB and 50 parameters; measured: bench/README.md)."""
     parts = sql.split("%s")
     if any("%" in part for part in parts):
         raise ValueError("only %s placeholders can be numbered")
@@ -41,8 +41,8 @@ def prepared_cursor() -> CursorWrapper:
     time. This cursor sends the parameters apart (bytes in binary) and prepares the statement once per
     connection (DATABASE_URL's ``?prepare_threshold=none`` turns preparing off, for a pooler in transaction
     mode). It goes through Django's cursor wrapper, so statement counts and execute wrappers see it as any
-    other statement. Used for the reserving statement (a 20k-token admission's went from 8.7 to 3 ms with
-    server-side binding, preparing and packed documents) and the catalog version read of every API request.
+    other statement. Used for the reserving statement and the catalog version read of every API request
+    (measured: bench/README.md).
     """
     db = this_connection()
     db.ensure_connection()
@@ -52,8 +52,8 @@ def prepared_cursor() -> CursorWrapper:
 
 def this_connection() -> BaseDatabaseWrapper:
     """This thread's default connection itself. ``django.db.connection`` is a proxy that looks the thread's
-    connection up again on every attribute read (through asgiref's Local): about a twentieth of a small
-    admission's CPU went to those look-ups."""
+    connection up again on every attribute read (through asgiref's Local), a cost measured in
+    bench/README.md."""
     return connections[DEFAULT_DB_ALIAS]
 
 

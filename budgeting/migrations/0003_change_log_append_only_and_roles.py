@@ -2,6 +2,8 @@
 
 from django.db import migrations
 
+from budgeting.migrations import _roles
+
 APPEND_ONLY = """
 CREATE OR REPLACE FUNCTION budgeting_changerecord_append_only() RETURNS trigger AS $$
 BEGIN
@@ -20,23 +22,11 @@ DROP FUNCTION IF EXISTS budgeting_changerecord_append_only();
 
 
 def create_roles(apps, schema_editor):
-    # Permissions are normally created after all migrations (post_migrate); create them now so the groups
-    # can be given them on a fresh database.
-    from django.contrib.auth.management import create_permissions
-
-    from budgeting.backoffice.roles import sync_roles
-
-    for app_config in apps.get_app_configs():
-        app_config.models_module = True
-        create_permissions(app_config, apps=apps, verbosity=0)
-        app_config.models_module = None
-    sync_roles(apps)
+    _roles.sync(apps, _roles.ROLES_0013)
 
 
 def drop_roles(apps, schema_editor):
-    from budgeting.backoffice.roles import ROLES
-
-    apps.get_model("auth", "Group").objects.filter(name__in=list(ROLES)).delete()
+    _roles.drop(apps, _roles.ROLES_0013)
 
 
 class Migration(migrations.Migration):

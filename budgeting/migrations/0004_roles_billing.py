@@ -2,17 +2,11 @@
 
 from django.db import migrations
 
+from budgeting.migrations import _roles
+
 
 def sync(apps, schema_editor):
-    from django.contrib.auth.management import create_permissions
-
-    from budgeting.backoffice.roles import sync_roles
-
-    for app_config in apps.get_app_configs():
-        app_config.models_module = True
-        create_permissions(app_config, apps=apps, verbosity=0)
-        app_config.models_module = None
-    sync_roles(apps)
+    _roles.sync(apps, _roles.ROLES_0013)
 
 
 class Migration(migrations.Migration):

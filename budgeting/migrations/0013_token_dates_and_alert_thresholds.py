@@ -8,6 +8,8 @@ from typing import Any
 import django.db.models.deletion
 from django.db import migrations, models
 
+from budgeting.migrations import _roles
+
 # Same trigger as migration 0010, now also watching expires_at. last_used_at and name stay out on purpose: the
 # beat copies last-used dates every minute, and that must not reload every process's catalog snapshot.
 APITOKEN_TRIGGER = """
@@ -18,9 +20,7 @@ ON budgeting_apitoken FOR EACH STATEMENT EXECUTE FUNCTION budgeting_bump_catalog
 
 
 def sync_roles(apps: Any, schema_editor: Any) -> None:
-    from budgeting.backoffice.roles import sync_roles_in_migration
-
-    sync_roles_in_migration(apps)
+    _roles.sync(apps, _roles.ROLES_0013)
 
 
 class Migration(migrations.Migration):

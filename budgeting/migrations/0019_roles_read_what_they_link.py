@@ -1,4 +1,4 @@
-"""The roles again (``sync_roles``): the analyst may now view the catalog objects and billing imports its pages
+"""The roles again (frozen as ``_roles.ROLES_0019``): the analyst may now view the catalog objects and billing imports its pages
 link to, and finance the tokenizers a model revision links to (issue 19: no link into a 403)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from typing import Any
 
 from django.db import migrations
 
+from budgeting.migrations import _roles
+
 
 def sync_roles(apps: Any, schema_editor: Any) -> None:
-    from budgeting.backoffice.roles import sync_roles_in_migration
-
-    sync_roles_in_migration(apps)
+    _roles.sync(apps, _roles.ROLES_0019)
 
 
 class Migration(migrations.Migration):

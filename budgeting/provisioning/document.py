@@ -155,7 +155,16 @@ def _pools(doc: dict[str, Any]) -> list[Wanted]:
         r = Reader(
             item,
             path,
-            {"slug", "region", "providerBaseUrl", "provider", "adapter", "apiKeyEnv", "adminKeyEnv"},
+            {
+                "slug",
+                "region",
+                "providerBaseUrl",
+                "provider",
+                "adapter",
+                "apiKeyEnv",
+                "adminKeyEnv",
+                "maxCallSeconds",
+            },
         )
         slug = r.get("slug", str, required=True)
         provider = r.choice("provider", set(Provider.values), Provider.SIMULATOR)
@@ -173,6 +182,7 @@ def _pools(doc: dict[str, Any]) -> list[Wanted]:
             ("adapter", "adapter", adapter),
             ("api_key_env", "apiKeyEnv", _env_name(r, "apiKeyEnv")),
             ("admin_key_env", "adminKeyEnv", _env_name(r, "adminKeyEnv")),
+            ("max_call_seconds", "maxCallSeconds", r.positive("maxCallSeconds", required=False) or 600),
         ]
         out.append(wanted("model pool", slug, ModelPool, {"slug": slug}, fields))
     return out

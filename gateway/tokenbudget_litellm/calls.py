@@ -1,11 +1,11 @@
 """The admission protocol (SPEC §5, §8) for one call through the proxy, and what a failed call may claim.
 
-``Calls`` makes the blocking calls to our API (the hook runs them off the proxy's event loop): admit
-(waiting out a queue up to ``queue_wait_s``), dispatch, the final usage, ``fail``, ``cancel``, lease
-renewals. A ``Ticket`` is what an admission grants and what the later hooks need; it rides in the
-request's metadata. Our API's refusals become ``Refusal``s carrying the status, the problem and
-``Retry-After`` the proxy's client must see; an unreachable API raises ``ApiUnavailable`` and the hook
-decides (fail closed, or open if configured).
+``Calls`` makes the calls to our API, as coroutines of the proxy's event loop: admit (waiting out a queue
+up to ``queue_wait_s``, and recording the dispatch in the same call), dispatch (only where the admission
+could not record it), the final usage, ``fail``, ``cancel``, lease renewals. A ``Ticket`` is what an
+admission grants and what the later hooks need; it rides in the request's metadata. Our API's refusals
+become ``Refusal``s carrying the status, the problem and ``Retry-After`` the proxy's client must see; an
+unreachable API raises ``ApiUnavailable`` and the hook decides (fail closed, or open if configured).
 
 ``request_sent_of`` says what ``/fail`` may claim about a failed provider call: ``False`` only with proof
 of non-processing (the provider answered a status that documents it, or refused the connection),
@@ -15,12 +15,15 @@ a timeout, an error raised before we can tell whether anything was sent).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from datetime import UTC, datetime
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 from tokenbudget_gateway.errors import ApiError, GatewayError, ProtocolViolation, RequestSent
@@ -28,11 +31,12 @@ from tokenbudget_gateway.protocol import (
     ADMISSIONS_PATH,
     Grant,
     is_int,
+    parse_time,
     provider_request_id_for,
     usage_event_id,
 )
 from tokenbudget_gateway.provider import NOT_PROCESSED_STATUSES
-from tokenbudget_gateway.transport import ApiClient, ApiResponse
+from tokenbudget_gateway.transport import ApiResponse
 
 from tokenbudget_litellm.mapping import AdmissionRequest
 
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 # Our API's identifier pattern: a provider id that does not fit is not used in usage event ids.
 _IDENTIFIER: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,180}")
 _MAX_REASON: Final = 300
+_PROVIDER_IDS: Final = uuid.UUID("5b0f7c1e-2d6a-4e58-9a43-0c1e7f5d2b90")
 
 
 class Refusal(Exception):
@@ -62,7 +67,12 @@ class Refusal(Exception):
 
 @dataclass(frozen=True)
 class Ticket:
-    """An admitted call: what the later hooks need to dispatch and settle it."""
+    """An admitted call: what the later hooks need to dispatch and settle it.
+
+    ``dispatched``: the admission itself recorded the dispatch (no ``/dispatch`` call is needed).
+    ``model_revision``: the revision the call was admitted on (a fallback rung names another).
+    ``lease_s``: the granted lease, in seconds from when the grant arrived.
+    """
 
     reservation_id: str
     fence: int
@@ -70,6 +80,9 @@ class Ticket:
     provider_request_id: str
     max_output: int
     rung: str
+    model_revision: str = ""
+    lease_s: float = 0.0
+    dispatched: bool = False
 
     def to_metadata(self) -> dict[str, Any]:
         return {
@@ -79,6 +92,9 @@ class Ticket:
             "providerRequestId": self.provider_request_id,
             "maxOutput": self.max_output,
             "rung": self.rung,
+            "modelRevision": self.model_revision,
+            "leaseSeconds": self.lease_s,
+            "dispatched": self.dispatched,
         }
 
     @classmethod
@@ -94,6 +110,9 @@ class Ticket:
                 provider_request_id=value["providerRequestId"],
                 max_output=value["maxOutput"],
                 rung=value["rung"],
+                model_revision=value.get("modelRevision", ""),
+                lease_s=value.get("leaseSeconds", 0.0),
+                dispatched=value.get("dispatched", False),
             )
         except KeyError:
             return None
@@ -110,58 +129,80 @@ class Admitted:
     shadow: bool = False
 
 
+class Api(Protocol):
+    """What ``Calls`` needs of our API: ``tokenbudget_litellm.transport.AsyncApi``."""
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> ApiResponse: ...
+
+
 class Calls:
-    """Our API's side of one proxied call; every method blocks (run it in a worker thread)."""
+    """Our API's side of one proxied call; every method is a coroutine of the proxy's event loop.
+
+    ``dispatch_at_admission``: the admission also records the dispatch under a provider request id the hook
+    makes up (``provider_request_id_of``), so no call to us stands between the admission and the provider
+    call; without it (or for a queued admission, which the queue admits undispatched) ``dispatch`` does.
+    """
 
     def __init__(
         self,
-        api: ApiClient,
+        api: Api,
         *,
         queue_wait_s: float = 0.0,
-        sleep: Callable[[float], None] = time.sleep,
+        dispatch_at_admission: bool = True,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         monotonic: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
         self._api = api
         self._queue_wait_s = queue_wait_s
+        self._dispatch_at_admission = dispatch_at_admission
         self._sleep = sleep
         self._monotonic = monotonic
+        self._wall_clock = wall_clock
 
-    def admit(self, request: AdmissionRequest) -> Admitted:
+    async def admit(self, request: AdmissionRequest) -> Admitted:
         """``POST /api/v1/admissions``; a queued answer is asked again with the same key until admitted
         or ``queue_wait_s`` has passed (then the queued reservation is cancelled and 429 ``QUEUED``).
 
         Raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation`` otherwise.
         """
+        provider_request_id = provider_request_id_of(request) if self._dispatch_at_admission else None
         deadline = self._monotonic() + self._queue_wait_s
         while True:
-            response = self._post_admission(request)
+            response = await self._post_admission(request, provider_request_id)
             if response.status != 202:
-                return self._admitted(response)
+                return self._admitted(response, provider_request_id)
             retry_after = _seconds(response.headers.get("retry-after"), default=2.0)
             left = deadline - self._monotonic()
             if left <= 0:
-                self._give_up_queued(response.body)
+                await self._give_up_queued(response.body)
                 raise Refusal.of(
                     429,
                     "QUEUED",
                     "no capacity now: the admission was queued and did not clear in time",
                     response.headers.get("retry-after"),
                 )
-            self._sleep(min(retry_after, left))
+            await self._sleep(min(retry_after, left))
 
-    def dispatch(self, ticket: Ticket) -> None:
+    async def dispatch(self, ticket: Ticket) -> None:
         """Record the dispatch; raises ``GatewayError`` (``StaleFence`` included) if it was not recorded."""
-        self._post(
+        await self._post(
             ticket,
             "dispatch",
             {"providerRequestId": ticket.provider_request_id, "admittedDigest": ticket.admitted_digest},
         )
 
-    def complete(
+    async def complete(
         self, ticket: Ticket, *, input_tokens: int, output_tokens: int, provider_id: str | None
     ) -> None:
         """The final usage: the provider's totals for the call, in one event."""
-        self._post(
+        await self._post(
             ticket,
             "usage",
             {
@@ -172,73 +213,105 @@ class Calls:
             },
         )
 
-    def fail(self, ticket: Ticket, *, request_sent: RequestSent, reason: str, output_seen: int = 0) -> None:
+    async def fail(
+        self, ticket: Ticket, *, request_sent: RequestSent, reason: str, output_seen: int = 0
+    ) -> None:
         """``/fail``; ``output_seen`` (tokens the stream delivered) is posted with it as incurred usage."""
         body: dict[str, Any] = {"reason": reason[:_MAX_REASON], "requestSent": request_sent}
         if output_seen:
             body["usage"] = {"usageEventId": _event_id(ticket, None, 1), "outputTokens": output_seen}
-        self._post(ticket, "fail", body)
+        await self._post(ticket, "fail", body)
 
-    def cancel(self, ticket: Ticket, *, output_seen: int = 0) -> None:
+    async def cancel(self, ticket: Ticket, *, output_seen: int = 0) -> None:
         """``/cancel``, after posting what the stream delivered so far as incurred usage."""
         if output_seen:
-            self._post(
+            await self._post(
                 ticket,
                 "usage",
                 {"usageEventId": _event_id(ticket, None, 1), "outputTokens": output_seen, "final": False},
             )
-        self._post(ticket, "cancel", {})
+        await self._post(ticket, "cancel", {})
 
-    def renew(self, ticket: Ticket) -> None:
-        self._post(ticket, "lease", {})
+    async def renew(self, ticket: Ticket) -> float | None:
+        """``/lease``: the lease's new length in seconds from now (``None`` if the answer does not say).
+        Raises ``GatewayError`` (``StaleFence`` once a reclaimer took the lease over)."""
+        response = await self._post(ticket, "lease", {})
+        return self._lease_seconds(response.body)
 
-    def _post_admission(self, request: AdmissionRequest) -> ApiResponse:
+    async def _post_admission(
+        self, request: AdmissionRequest, provider_request_id: str | None
+    ) -> ApiResponse:
         headers = {"Idempotency-Key": request.idempotency_key}
         if request.traceparent:
             headers["traceparent"] = request.traceparent
+        body = request.body
+        if provider_request_id is not None:
+            body = {**body, "dispatch": {"providerRequestId": provider_request_id}}
         try:
-            return self._api.request("POST", ADMISSIONS_PATH, request.body, headers)
+            return await self._api.request("POST", ADMISSIONS_PATH, body, headers)
         except ApiError as exc:
-            # Our 5xx are outages as far as the proxy's client is concerned: retry later.
-            status = exc.status if exc.status < 500 else 503
+            # Our 5xx are outages as far as the proxy's client is concerned: retry later. A 404 is a
+            # tenant, task class or pool this API does not know: the request, not a missing route.
+            status = 503 if exc.status >= 500 else 400 if exc.status == 404 else exc.status
             raise Refusal(status, exc.problem or {"code": "ADMISSION_FAILED"}, exc.retry_after) from exc
 
-    def _admitted(self, response: ApiResponse) -> Admitted:
+    def _admitted(self, response: ApiResponse, provider_request_id: str | None) -> Admitted:
         body = response.body if isinstance(response.body, dict) else {}
         if body.get("mode") == "SHADOW":
             return Admitted(ticket=None, payload=None, shadow=True)
         grant = Grant.from_response(response)
+        dispatched = body.get("state") == "DISPATCHED" and provider_request_id is not None
+        revision = body.get("modelRevision")
         ticket = Ticket(
             reservation_id=grant.reservation_id,
             fence=grant.fence,
             admitted_digest=grant.admitted_digest,
-            provider_request_id=provider_request_id_for(grant.reservation_id),
+            provider_request_id=str(body.get("providerRequestId") or provider_request_id)
+            if dispatched
+            else provider_request_id_for(grant.reservation_id),
             max_output=grant.max_output,
             rung=grant.rung,
+            model_revision=revision if isinstance(revision, str) else "",
+            lease_s=self._lease_seconds(body) or 0.0,
+            dispatched=dispatched,
         )
         return Admitted(ticket=ticket, payload=grant.payload)
 
-    def _give_up_queued(self, body: Any) -> None:
+    def _lease_seconds(self, body: Any) -> float | None:
+        lease = body.get("lease") if isinstance(body, dict) else None
+        expires = lease.get("expiresAt") if isinstance(lease, dict) else None
+        try:
+            return (parse_time(expires) - self._wall_clock()).total_seconds()
+        except ValueError:
+            return None
+
+    async def _give_up_queued(self, body: Any) -> None:
         """Cancel a queued reservation we stop waiting for, so it is never admitted for nobody."""
         reservation_id = body.get("reservationId") if isinstance(body, dict) else None
         if not isinstance(reservation_id, str):
             return
         path = f"/api/v1/reservations/{quote(reservation_id, safe='')}"
         try:
-            current = self._api.request("GET", path).body
+            current = (await self._api.request("GET", path)).body
             lease = current.get("lease") if isinstance(current, dict) else None
             fence = lease.get("fence") if isinstance(lease, dict) else None
             if not is_int(fence):
                 raise ProtocolViolation("the queued reservation shows no fence")
-            self._api.request("POST", f"{path}/cancel", {"fence": fence})
+            await self._api.request("POST", f"{path}/cancel", {"fence": fence})
         except GatewayError:
             # Left queued, it is admitted or rejected by its deadline; admitted and never dispatched, its
             # lease expires and it is released in full.
             logger.warning("could not cancel queued reservation %s", reservation_id, exc_info=True)
 
-    def _post(self, ticket: Ticket, action: str, body: Mapping[str, Any]) -> ApiResponse:
+    async def _post(self, ticket: Ticket, action: str, body: Mapping[str, Any]) -> ApiResponse:
         path = f"/api/v1/reservations/{quote(ticket.reservation_id, safe='')}/{action}"
-        return self._api.request("POST", path, {"fence": ticket.fence, **body})
+        return await self._api.request("POST", path, {"fence": ticket.fence, **body})
+
+
+def provider_request_id_of(request: AdmissionRequest) -> str:
+    """The provider request id an admission dispatches under: derived from its ``Idempotency-Key`` (a name
+    UUID), so a repeated admission names the same id and the first answer stands."""
+    return f"tbr-{uuid.uuid5(_PROVIDER_IDS, request.idempotency_key)}"
 
 
 def request_sent_of(error: BaseException, chunks_seen: int = 0) -> RequestSent:

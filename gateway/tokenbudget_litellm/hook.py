@@ -5,26 +5,45 @@ Load it from the proxy's config (its settings: ``tokenbudget_litellm.settings``)
     litellm_settings:
       callbacks: tokenbudget_litellm.hook.proxy_handler_instance
 
-One call, hook by hook:
+Every call to our API is a coroutine on the proxy's event loop over kept-alive connections
+(``transport.AsyncApi``), bounded by one deadline (``timeoutSeconds``). One call, hook by hook:
 
-- ``async_pre_call_hook``: the request is mapped (``mapping``) and admitted. The request then carries the
-  admitted payload and, in its metadata under ``tokenbudget_ticket``, the reservation id, fence and
-  provider request id; router retries are turned off (a reservation covers one provider call). A refusal
-  of our API reaches the proxy's client with its status (429, 422, 503…), our problem (its ``code`` in
-  ``error.provider_specific_fields``) and ``Retry-After``. If admission cannot be decided (our API is
-  unreachable, or this hook fails) the call is refused 503 ``ADMISSION_UNAVAILABLE``, or let through
-  unadmitted and logged when ``failOpen`` is set. Shadow tenants' calls go unchanged.
-- ``async_pre_call_deployment_hook``: right before the provider call, the dispatch is recorded and the
-  provider request id is sent as ``X-Request-Id``. A second attempt for the same reservation (a retry or a
-  fallback) is refused, and a dispatch that cannot be recorded stops the call (after a best-effort cancel).
+- ``async_pre_call_hook``: the request is mapped (``mapping``) and admitted; the admission also records the
+  dispatch under a provider request id the hook chose (``dispatchAtAdmission``), so this is the one call
+  to us before the provider call. The request then carries the admitted payload, is routed to the proxy
+  model that serves the admitted model revision (the group's ``deployments``: a fallback rung's smaller
+  model is sent to its own deployment), asks a stream for its usage (``stream_options.include_usage``) and
+  carries, in its metadata under ``tokenbudget_ticket``, the reservation id, fence and provider request id;
+  router retries are turned off (a reservation covers one provider call). The lease is kept from then on
+  (below). A refusal of our API reaches the proxy's client with its status (429, 422, 503…; an unknown
+  tenant, task class or pool 400), our problem (its ``code`` in ``error.provider_specific_fields``) and
+  ``Retry-After``, and is logged in one line. If admission cannot be decided (our API unreachable or not
+  answering within the deadline, or this hook fails) the call is refused 503 ``ADMISSION_UNAVAILABLE``, or
+  let through unadmitted and logged when ``failOpen`` is set. Shadow tenants' calls go unchanged.
+- ``async_pre_call_deployment_hook``: right before the provider call, the provider request id is sent as
+  ``X-Request-Id`` (and the dispatch recorded, where the admission could not: a queued admission). A
+  second attempt for the same reservation (a retry or a fallback) is refused.
+- ``async_post_call_response_headers_hook``: the answer carries ``x-tokenbudget-reservation-id``,
+  ``x-tokenbudget-rung`` and ``x-tokenbudget-model-revision``.
 - ``async_post_call_streaming_iterator_hook``: counts the content chunks a stream delivers (each is at
-  least one token), renews the lease while it runs, and if the proxy's client goes away posts the chunks
-  seen as usage and ``cancel`` (SPEC §5: settled so far, the rest stays held for reconciliation).
+  least one token) and keeps the provider's usage chunk (passed on only to a client that asked for it). If
+  the proxy's client goes away the provider stream is closed and what is known is settled: the provider's
+  usage if it came, else the chunks seen as incurred usage, then ``cancel``, which frees the concurrency
+  slot (the provider connection is closed) while the output still unknown stays held for reconciliation
+  (SPEC §5).
 - ``async_log_success_event``: the provider's usage (streamed or not) is posted as the final usage, keyed
   by the provider's request id; an answer from LiteLLM's cache is reported as never sent.
-- ``async_post_call_failure_hook`` / ``async_log_failure_event``: before dispatch the reservation is
-  cancelled (released in full); after it, ``fail`` with what ``calls.request_sent_of`` can prove, the
-  chunks seen posted as incurred usage. A timeout is ``"unknown"``.
+- ``async_post_call_failure_hook`` / ``async_log_failure_event``: before the provider call the
+  reservation is released in full (``cancel``, or ``fail`` with ``requestSent: false`` once the dispatch
+  is recorded); after it, ``fail`` with what ``calls.request_sent_of`` can prove, the chunks seen posted as
+  incurred usage. A timeout is ``"unknown"``.
+
+The lease: from the admission until the call is settled, a task renews it at a third of what the grant (or
+the last renewal) gave, whether the call streams or not, so a running call keeps its lease through two
+lost renewals. It stops after ``maxCallSeconds`` so a call this process lost track of is reclaimed. A call
+whose lease was nonetheless taken over (``STALE_FENCE``: the reclaimer holds a higher fence) goes on for
+its client, but the reclaimer's fence is the rule: this hook's later writes are refused, and the call is
+settled from the provider's records (the reconciler's lookup or the billing import), never from the hook.
 
 Each reservation is settled once, by whichever of these hooks gets there first.
 """
@@ -32,35 +51,61 @@ Each reservation is settled once, by whichever of these hooks gets there first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
-from tokenbudget_gateway.errors import GatewayError
-from tokenbudget_gateway.transport import ApiClient
+from tokenbudget_gateway.errors import GatewayError, StaleFence
 
 from tokenbudget_litellm.calls import Calls, Refusal, Ticket, failure_reason, request_sent_of
 from tokenbudget_litellm.mapping import Caller, MappingError, apply_admitted, to_admission
 from tokenbudget_litellm.settings import HookSettings
+from tokenbudget_litellm.transport import AsyncApi
 
 logger = logging.getLogger(__name__)
 
 TICKET_KEY: Final = "tokenbudget_ticket"
 _CHAT_CALLS: Final = frozenset({"completion", "acompletion"})
 _UNAVAILABLE_RETRY_AFTER: Final = "5"
+_PROXY_LOGGER: Final = "LiteLLM Proxy"
+# A lease renewal never waits less than this, whatever a (skewed) clock says is left.
+_MIN_RENEW_S: Final = 0.2
 
 
 @dataclass
 class _CallState:
     """What this process knows of an admitted call until it is settled."""
 
-    dispatched: bool = False
+    sent: bool = False
     chunks: int = 0
-    renewed_at: float = field(default_factory=time.monotonic)
+    usage: Any = None
+    wants_usage: bool = False
+    keeper: asyncio.Task[None] | None = None
+
+
+class _Refused(HTTPException):
+    """A call this hook refused: LiteLLM answers its status and headers (anything else is a 500)."""
+
+
+class _OneLinePerRefusal(logging.Filter):
+    """Drops the proxy's own log record of a call this hook refused (the hook logged it in one line). The
+    proxy may log a copy of the exception, so it is known by its detail: our problem under ``problem``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        raised = record.exc_info[1] if record.exc_info else None
+        return not any(_is_refusal(value) for value in (*args, raised))
+
+
+def _is_refusal(value: object) -> bool:
+    detail = getattr(value, "detail", None)
+    return (
+        isinstance(value, HTTPException) and isinstance(detail, dict) and {"code", "problem"} <= detail.keys()
+    )
 
 
 class TokenBudgetHook(CustomLogger):
@@ -70,54 +115,84 @@ class TokenBudgetHook(CustomLogger):
         super().__init__()
         self.settings = settings
         self.calls = calls or Calls(
-            ApiClient(settings.api_url, settings.token, timeout_s=settings.timeout_s),
+            AsyncApi(settings.api_url, settings.token, deadline_s=settings.timeout_s),
             queue_wait_s=settings.queue_wait_s,
+            dispatch_at_admission=settings.dispatch_at_admission,
         )
         self._states: dict[str, _CallState] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # First: LiteLLM's own filter on that logger formats the record's arguments away.
+        logging.getLogger(_PROXY_LOGGER).filters.insert(0, _OneLinePerRefusal())
+        if not logger.handlers and not logging.getLogger().handlers:
+            # The proxy configures only its own loggers: without this our INFO lines (the reservation of
+            # each call) would not reach its log.
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
 
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: str
     ) -> dict[str, Any]:
-        group = self.settings.model_groups.get(str(data.get("model")))
+        name = str(data.get("model"))
+        group = self.settings.model_groups.get(name)
         if group is None:
             if self.settings.unlisted == "pass":
                 return data
-            raise _http_error(
-                Refusal.of(400, "UNLISTED_MODEL_GROUP", f"no admission for {data.get('model')!r}")
-            )
+            raise _refused(Refusal.of(400, "UNLISTED_MODEL_GROUP", f"no admission for {name!r}"), name)
         if call_type not in _CHAT_CALLS:
-            raise _http_error(Refusal.of(400, "UNSUPPORTED_CALL", f"{call_type} calls are not admitted"))
+            raise _refused(Refusal.of(400, "UNSUPPORTED_CALL", f"{call_type} calls are not admitted"), name)
         caller = Caller(
             team_id=getattr(user_api_key_dict, "team_id", None),
             team_alias=getattr(user_api_key_dict, "team_alias", None),
         )
         try:
             request = to_admission(data, group, caller, self.settings)
-            admitted = await asyncio.to_thread(self.calls.admit, request)
+            admitted = await self.calls.admit(request)
         except MappingError as exc:
-            raise _http_error(Refusal.of(400, exc.code, exc.detail)) from exc
+            raise _refused(Refusal.of(400, exc.code, exc.detail), name) from exc
         except Refusal as exc:
-            raise _http_error(exc) from exc
+            raise _refused(exc, name) from exc
         except Exception as exc:
             return self._undecided(data, exc)
         if admitted.ticket is None:
             return data
         ticket = admitted.ticket
+        deployment = group.deployment_for(name, ticket.model_revision)
         try:
+            if deployment is None:
+                raise MappingError(
+                    "MODEL_REVISION_NOT_DEPLOYED",
+                    f"admitted on {ticket.model_revision!r}: not in modelGroups.{name}.deployments",
+                )
             apply_admitted(data, admitted.payload, ticket.max_output)
         except MappingError as exc:
-            await self._cancel(ticket)
+            await self._release(ticket, _CallState(), str(exc))
             return self._undecided(data, exc)
+        state = _CallState()
+        data["model"] = deployment
+        if data.get("stream"):
+            options = data.get("stream_options")
+            options = dict(options) if isinstance(options, Mapping) else {}
+            state.wants_usage = options.get("include_usage") is True
+            data["stream_options"] = {**options, "include_usage": True}
         metadata = data.get("metadata")
         if not isinstance(metadata, dict):
             metadata = data["metadata"] = {}
         metadata[TICKET_KEY] = ticket.to_metadata()
         data["num_retries"] = 0
         data.pop("fallbacks", None)
-        self._states[ticket.reservation_id] = _CallState()
+        self._states[ticket.reservation_id] = state
+        state.keeper = asyncio.get_running_loop().create_task(self._keep_lease(ticket))
         logger.info(
-            "admitted %s at %s as reservation %s", data.get("model"), ticket.rung, ticket.reservation_id
+            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s",
+            name,
+            ticket.rung,
+            ticket.model_revision or group.model_revision,
+            deployment,
+            ticket.reservation_id,
+            ticket.provider_request_id,
         )
         return data
 
@@ -128,32 +203,51 @@ class TokenBudgetHook(CustomLogger):
         if ticket is None:
             return None
         state = self._states.get(ticket.reservation_id)
-        if state is None or state.dispatched:
-            raise _http_error(
+        if state is None or state.sent:
+            raise _refused(
                 Refusal.of(
                     409, "ALREADY_DISPATCHED", "a reservation covers one provider call; retries are off"
-                )
+                ),
+                ticket.reservation_id,
             )
-        try:
-            await asyncio.to_thread(self.calls.dispatch, ticket)
-        except GatewayError as exc:
-            # Nothing was sent to the provider: releasing in full is right.
-            await self._cancel(ticket)
-            logger.warning("dispatch of %s not recorded; the call is stopped: %s", ticket.reservation_id, exc)
-            raise _http_error(
-                Refusal.of(
-                    503,
-                    "ADMISSION_UNAVAILABLE",
-                    "the dispatch could not be recorded",
-                    _UNAVAILABLE_RETRY_AFTER,
-                )
-            ) from exc
-        state.dispatched = True
+        if not ticket.dispatched:
+            try:
+                await self.calls.dispatch(ticket)
+            except GatewayError as exc:
+                # Nothing was sent to the provider: releasing in full is right.
+                await self._release(ticket, state, "the dispatch could not be recorded")
+                raise _refused(
+                    Refusal.of(
+                        503,
+                        "ADMISSION_UNAVAILABLE",
+                        f"the dispatch could not be recorded: {exc}",
+                        _UNAVAILABLE_RETRY_AFTER,
+                    ),
+                    ticket.reservation_id,
+                ) from exc
+        state.sent = True
         kwargs["extra_headers"] = {
             **(kwargs.get("extra_headers") or {}),
             "X-Request-Id": ticket.provider_request_id,
         }
         return kwargs
+
+    async def async_post_call_response_headers_hook(
+        self,
+        data: dict[str, Any],
+        user_api_key_dict: Any,
+        response: object,
+        request_headers: dict[str, str] | None = None,
+        litellm_call_info: dict[str, object] | None = None,
+    ) -> dict[str, str] | None:
+        ticket = _ticket(data.get("metadata"), data.get("litellm_metadata"))
+        if ticket is None:
+            return None
+        return {
+            "x-tokenbudget-reservation-id": ticket.reservation_id,
+            "x-tokenbudget-rung": ticket.rung,
+            "x-tokenbudget-model-revision": ticket.model_revision,
+        }
 
     async def async_post_call_streaming_iterator_hook(
         self, user_api_key_dict: Any, response: Any, request_data: dict[str, Any]
@@ -162,13 +256,19 @@ class TokenBudgetHook(CustomLogger):
         state = self._states.get(ticket.reservation_id) if ticket is not None else None
         try:
             async for item in response:
-                if ticket is not None and state is not None:
+                if state is not None:
                     state.chunks += _has_content(item)
-                    await self._maybe_renew(ticket, state)
+                    usage = getattr(item, "usage", None)
+                    if usage is not None and not getattr(item, "choices", None):
+                        state.usage = usage
+                        if not state.wants_usage:
+                            continue
                 yield item
         except (GeneratorExit, asyncio.CancelledError):
             if ticket is not None:
-                self._in_background(self._settle_cancelled(ticket))
+                # The client is gone: close the provider's stream now (it stops generating and billing),
+                # and settle in a task that outlives this one.
+                self._in_background(self._abandoned(ticket, response))
             raise
 
     async def async_log_success_event(
@@ -181,36 +281,13 @@ class TokenBudgetHook(CustomLogger):
             return
         try:
             if kwargs.get("cache_hit"):
-                await asyncio.to_thread(
-                    self.calls.fail, ticket, request_sent=False, reason="answered from LiteLLM's cache"
-                )
+                await self.calls.fail(ticket, request_sent=False, reason="answered from LiteLLM's cache")
                 return
-            usage = getattr(response_obj, "usage", None)
-            prompt = getattr(usage, "prompt_tokens", None)
-            completion = getattr(usage, "completion_tokens", None)
-            if not isinstance(prompt, int) or not isinstance(completion, int):
-                await asyncio.to_thread(
-                    self.calls.fail,
-                    ticket,
-                    request_sent=True,
-                    reason="missing_final_usage",
-                    output_seen=state.chunks,
-                )
-                return
-            provider_id = getattr(response_obj, "id", None)
-            if provider_id != ticket.provider_request_id:
-                logger.warning("provider answered %s as %r", ticket.provider_request_id, provider_id)
-            await asyncio.to_thread(
-                self.calls.complete,
-                ticket,
-                input_tokens=prompt,
-                output_tokens=completion,
-                provider_id=provider_id if isinstance(provider_id, str) else None,
-            )
-        except GatewayError:
+            await self._settle_with_usage(ticket, state, getattr(response_obj, "usage", None), response_obj)
+        except GatewayError as exc:
             # The answer is already the client's; the lease expires and the reclaimer settles it from the
             # provider's records.
-            logger.exception("usage of reservation %s not posted", ticket.reservation_id)
+            logger.warning("usage of reservation %s not posted: %s", ticket.reservation_id, exc)
 
     async def async_log_failure_event(
         self, kwargs: dict[str, Any], response_obj: Any, start_time: Any, end_time: Any
@@ -235,69 +312,124 @@ class TokenBudgetHook(CustomLogger):
 
     def _undecided(self, data: dict[str, Any], error: BaseException) -> dict[str, Any]:
         """Admission could not be decided: refuse (fail closed) or, if configured, let the call through."""
+        # A failure of ours to reach the API is one line; anything else is a bug and keeps its traceback.
+        trace = None if isinstance(error, GatewayError | MappingError) else error
         if self.settings.fail_open:
             logger.error(
-                "admission undecided, call let through unadmitted (failOpen): %r", error, exc_info=error
+                "admission undecided, call let through unadmitted (failOpen): %s", error, exc_info=trace
             )
             return data
-        logger.error("admission undecided, call refused: %r", error, exc_info=error)
-        raise _http_error(
-            Refusal.of(
-                503, "ADMISSION_UNAVAILABLE", "admission could not be decided", _UNAVAILABLE_RETRY_AFTER
+        logger.error("admission undecided, call refused 503: %s", error, exc_info=trace)
+        raise _Refused(
+            **_http_error(
+                Refusal.of(
+                    503, "ADMISSION_UNAVAILABLE", "admission could not be decided", _UNAVAILABLE_RETRY_AFTER
+                )
             )
         ) from error
+
+    async def _settle_with_usage(self, ticket: Ticket, state: _CallState, usage: Any, answer: Any) -> None:
+        prompt = getattr(usage, "prompt_tokens", None)
+        completion = getattr(usage, "completion_tokens", None)
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            await self.calls.fail(
+                ticket, request_sent=True, reason="missing_final_usage", output_seen=state.chunks
+            )
+            return
+        provider_id = getattr(answer, "id", None)
+        if answer is not None and provider_id != ticket.provider_request_id:
+            logger.warning("provider answered %s as %r", ticket.provider_request_id, provider_id)
+        await self.calls.complete(
+            ticket,
+            input_tokens=prompt,
+            output_tokens=completion,
+            provider_id=provider_id if isinstance(provider_id, str) else None,
+        )
 
     async def _settle_failed(self, ticket: Ticket | None, error: BaseException) -> None:
         state = self._take(ticket)
         if ticket is None or state is None:
             return
         try:
-            if not state.dispatched:
-                await asyncio.to_thread(self.calls.cancel, ticket)
+            if not state.sent:
+                await self._release(
+                    ticket, state, f"failed before the provider call: {failure_reason(error)}"
+                )
                 return
-            await asyncio.to_thread(
-                self.calls.fail,
+            await self.calls.fail(
                 ticket,
                 request_sent=request_sent_of(error, state.chunks),
                 reason=failure_reason(error),
                 output_seen=state.chunks,
             )
-        except GatewayError:
-            logger.exception(
-                "failure of reservation %s not posted; the reclaimer will settle it", ticket.reservation_id
+        except GatewayError as exc:
+            logger.warning(
+                "failure of reservation %s not posted; the reclaimer will settle it: %s",
+                ticket.reservation_id,
+                exc,
             )
 
-    async def _settle_cancelled(self, ticket: Ticket) -> None:
+    async def _abandoned(self, ticket: Ticket, response: Any) -> None:
+        """The client went away mid-stream: close the provider's stream, then settle what is known."""
+        close = getattr(response, "aclose", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                await close()
         state = self._take(ticket)
         if state is None:
             return
         try:
-            await asyncio.to_thread(self.calls.cancel, ticket, output_seen=state.chunks)
-        except GatewayError:
-            logger.exception("cancel of reservation %s not posted", ticket.reservation_id)
+            if state.usage is not None:
+                await self._settle_with_usage(ticket, state, state.usage, None)
+            else:
+                await self.calls.cancel(ticket, output_seen=state.chunks)
+        except GatewayError as exc:
+            logger.warning("cancel of reservation %s not posted: %s", ticket.reservation_id, exc)
 
-    async def _cancel(self, ticket: Ticket) -> None:
+    async def _release(self, ticket: Ticket, state: _CallState, reason: str) -> None:
+        """Nothing was sent to the provider: release in full (``fail`` once the dispatch is recorded)."""
         self._take(ticket)
         try:
-            await asyncio.to_thread(self.calls.cancel, ticket)
-        except GatewayError:
+            if ticket.dispatched or state.sent:
+                await self.calls.fail(ticket, request_sent=False, reason=reason)
+            else:
+                await self.calls.cancel(ticket)
+        except GatewayError as exc:
             logger.warning(
-                "cancel of reservation %s not posted; its lease will expire", ticket.reservation_id
+                "release of reservation %s not posted; its lease will expire: %s", ticket.reservation_id, exc
             )
 
-    async def _maybe_renew(self, ticket: Ticket, state: _CallState) -> None:
-        if time.monotonic() - state.renewed_at < self.settings.lease_renew_s:
-            return
-        state.renewed_at = time.monotonic()
-        try:
-            await asyncio.to_thread(self.calls.renew, ticket)
-        except GatewayError:
-            # The fence protects the ledger if the lease lapses; try again after the next interval.
-            logger.warning("lease of reservation %s not renewed", ticket.reservation_id)
+    async def _keep_lease(self, ticket: Ticket) -> None:
+        """Renew the lease at a third of what it has left until cancelled (the call is settled) or
+        ``maxCallSeconds`` passed; see the module docstring."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        expires = started + ticket.lease_s
+        while loop.time() - started < self.settings.max_call_s:
+            await asyncio.sleep(max(_MIN_RENEW_S, (expires - loop.time()) / 3))
+            try:
+                left = await self.calls.renew(ticket)
+            except StaleFence:
+                logger.warning(
+                    "lease of reservation %s taken over by the reclaimer: the call is settled from the "
+                    "provider's records, this hook's reports are refused",
+                    ticket.reservation_id,
+                )
+                return
+            except GatewayError as exc:
+                # Try again at a third of what is left of the lease; the fence protects the ledger if it
+                # lapses.
+                logger.warning("lease of reservation %s not renewed: %s", ticket.reservation_id, exc)
+                continue
+            expires = loop.time() + (left if left is not None and left > 0 else ticket.lease_s)
 
     def _take(self, ticket: Ticket | None) -> _CallState | None:
-        """The call's state, removed: only the first hook to settle a reservation does."""
-        return None if ticket is None else self._states.pop(ticket.reservation_id, None)
+        """The call's state, removed and its lease no longer kept: only the first hook to settle a
+        reservation does."""
+        state = None if ticket is None else self._states.pop(ticket.reservation_id, None)
+        if state is not None and state.keeper is not None:
+            state.keeper.cancel()
+        return state
 
     def _in_background(self, work: Any) -> None:
         # The stream's task is being torn down; the settlement must outlive it.
@@ -322,15 +454,23 @@ def _has_content(chunk: Any) -> int:
     return 0
 
 
-def _http_error(refusal: Refusal) -> HTTPException:
-    """The proxy answers an ``HTTPException`` with its status and headers (anything else is a 500)."""
+def _http_error(refusal: Refusal) -> dict[str, Any]:
+    """The ``HTTPException`` arguments of a refusal: its status, our problem, ``Retry-After``."""
     detail = {
         "message": f"{refusal.code}: {refusal.problem.get('detail', '')}",
         "code": refusal.code,
         "problem": refusal.problem,
     }
     headers = {"Retry-After": refusal.retry_after} if refusal.retry_after else None
-    return HTTPException(status_code=refusal.status, detail=detail, headers=headers)
+    return {"status_code": refusal.status, "detail": detail, "headers": headers}
+
+
+def _refused(refusal: Refusal, subject: str) -> _Refused:
+    """Log the refusal in one line and make the exception the proxy answers it with."""
+    logger.warning(
+        "refused %s: %s %s: %s", subject, refusal.status, refusal.code, refusal.problem.get("detail", "")
+    )
+    return _Refused(**_http_error(refusal))
 
 
 proxy_handler_instance = TokenBudgetHook(HookSettings.from_env())

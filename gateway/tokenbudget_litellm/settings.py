@@ -6,12 +6,14 @@ file but in the environment variable the file names (``tokenEnv``, default ``TOK
     {
       "apiUrl": "http://127.0.0.1:8000",
       "failOpen": false,
+      "timeoutSeconds": 5,
       "queueWaitSeconds": 0,
       "tenantByTeam": {"legal-team": "t-19"},
       "modelGroups": {
         "eu-large": {
           "modelPool": "eu-large", "modelRevision": "model@2026-07-01",
-          "taskClass": "contract-review", "tenant": null, "maxOutput": 400,
+          "taskClass": "contract-review", "tenant": "t-19", "maxOutput": 400,
+          "deployments": {"small@2026-05-12": "eu-small"},
           "systemBucket": "immutableRules", "outputSafety": ["No legal advice."],
           "authorizationScope": {"permissions": ["contracts:read"]}, "essentialTools": ["search_clauses"]
         }
@@ -45,6 +47,9 @@ class ModelGroup:
     ``max_output``: when the request sets no ``max_tokens``/``max_completion_tokens``. ``system_bucket``:
     where system and developer messages go. ``output_safety``: rules added to every request.
     ``authorization_scope``: when the caller sends none. ``essential_tools``: tools no rung may drop.
+    ``deployments``: the proxy's model (a ``model_name`` of its ``model_list``) for each model revision an
+    admission may answer other than ``model_revision`` (a fallback rung's smaller model); the group itself
+    serves ``model_revision``.
     """
 
     model_pool: str
@@ -56,23 +61,35 @@ class ModelGroup:
     output_safety: tuple[str, ...] = ()
     authorization_scope: Mapping[str, Any] = field(default_factory=lambda: {"permissions": []})
     essential_tools: frozenset[str] = frozenset()
+    deployments: Mapping[str, str] = field(default_factory=dict)
+
+    def deployment_for(self, group_name: str, model_revision: str) -> str | None:
+        """The proxy model that serves ``model_revision`` for this group, or ``None`` if none is."""
+        if not model_revision or model_revision == self.model_revision:
+            return group_name
+        return self.deployments.get(model_revision)
 
 
 @dataclass(frozen=True)
 class HookSettings:
     """``fail_open``: let a call through unadmitted (logged) when admission cannot be decided, instead of
-    answering 503. ``queue_wait_s``: how long to wait for a queued (202) admission before answering 429.
-    ``lease_renew_s``: how often a running stream renews its lease. ``unlisted``: what happens to a model
-    group that is not configured (``reject``: 400, ``pass``: not admitted, as if the hook were absent)."""
+    answering 503. ``timeout_s``: the one deadline of each call to our API, its retries included (a hung API
+    is answered 503 within it). ``queue_wait_s``: how long to wait for a queued (202) admission before
+    answering 429. ``dispatch_at_admission``: record the dispatch in the admission's call (one call to us
+    before the provider call instead of two). ``unlisted``: what happens to a model group that is not
+    configured (``reject``: 400, ``pass``: not admitted, as if the hook were absent). The lease is renewed
+    at a third of what each grant or renewal gave, for every call, streamed or not, for at most
+    ``max_call_s`` (a call this process lost track of is then left to the reclaimer)."""
 
     api_url: str
     token: str
     model_groups: Mapping[str, ModelGroup]
     tenant_by_team: Mapping[str, str] = field(default_factory=dict)
     fail_open: bool = False
-    timeout_s: float = 10.0
+    timeout_s: float = 5.0
     queue_wait_s: float = 0.0
-    lease_renew_s: float = 30.0
+    dispatch_at_admission: bool = True
+    max_call_s: float = 900.0
     metadata_key: str = "tokenbudget"
     unlisted: Literal["reject", "pass"] = "reject"
 
@@ -108,9 +125,10 @@ class HookSettings:
             model_groups={name: _model_group(value, name) for name, value in groups.items()},
             tenant_by_team={team: _string(tenant, f"tenantByTeam.{team}") for team, tenant in teams.items()},
             fail_open=_boolean(doc.get("failOpen", False), "failOpen"),
-            timeout_s=_seconds(doc.get("timeoutSeconds", 10.0), "timeoutSeconds"),
+            timeout_s=_positive_seconds(doc.get("timeoutSeconds", 5.0), "timeoutSeconds"),
             queue_wait_s=_seconds(doc.get("queueWaitSeconds", 0.0), "queueWaitSeconds"),
-            lease_renew_s=_seconds(doc.get("leaseRenewSeconds", 30.0), "leaseRenewSeconds"),
+            dispatch_at_admission=_boolean(doc.get("dispatchAtAdmission", True), "dispatchAtAdmission"),
+            max_call_s=_positive_seconds(doc.get("maxCallSeconds", 900.0), "maxCallSeconds"),
             metadata_key=_string(doc.get("metadataKey", "tokenbudget"), "metadataKey"),
             unlisted=unlisted,
         )
@@ -121,7 +139,7 @@ def _model_group(value: Any, name: str) -> ModelGroup:
     data = _object(value, where)
     known = {
         "modelPool", "modelRevision", "taskClass", "tenant", "maxOutput", "systemBucket", "outputSafety",
-        "authorizationScope", "essentialTools",
+        "authorizationScope", "essentialTools", "deployments",
     }  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
@@ -144,6 +162,10 @@ def _model_group(value: Any, name: str) -> ModelGroup:
             data.get("authorizationScope", {"permissions": []}), f"{where}.authorizationScope"
         ),
         essential_tools=frozenset(_strings(data.get("essentialTools", []), f"{where}.essentialTools")),
+        deployments={
+            revision: _string(model, f"{where}.deployments.{revision}")
+            for revision, model in _object(data.get("deployments", {}), f"{where}.deployments").items()
+        },
     )
 
 
@@ -179,3 +201,10 @@ def _seconds(value: Any, where: str) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
         raise SettingsError(f"{where} must be a non-negative number of seconds")
     return float(value)
+
+
+def _positive_seconds(value: Any, where: str) -> float:
+    seconds = _seconds(value, where)
+    if seconds == 0:
+        raise SettingsError(f"{where} must be more than 0 seconds")
+    return seconds

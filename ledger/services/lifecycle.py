@@ -10,11 +10,9 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Subquery
 from django.utils import timezone
 
 from budgeting.catalog.errors import Conflict, NotFound
-from budgeting.catalog.models import ModelPool
 from ledger import locks
 from ledger.errors import (
     InvalidTransition,
@@ -30,6 +28,7 @@ from ledger.models import (
     TopUp,
     UsageEvent,
 )
+from ledger.services import slots
 from ledger.services.accounts import ShortageSignal, shortage
 from ledger.services.admission import PROVIDER_ID_CONSTRAINT, provider_request_id_in_use
 from ledger.services.postings import Postings, capture, held_account_ids, settle
@@ -94,11 +93,10 @@ def dispatch(
                     return reservation
                 raise _refuse(reservation, "dispatch")
             reservation.dispatch(provider_request_id)
-            # The adapter and endpoint the pool names now, read by the reservation's own UPDATE (no statement
-            # of their own); the returned instance holds these expressions, not their values.
-            pool = ModelPool.objects.filter(pk=reservation.model_pool_id)
-            reservation.provider_adapter = Subquery(pool.values("adapter")[:1])
-            reservation.provider_endpoint = Subquery(pool.values("provider_base_url")[:1])
+            # The adapter and endpoint the pool names now, read with the row's lock
+            # (``locks.lock_reservation``: no statement of their own).
+            reservation.provider_adapter = reservation.pool_adapter  # type: ignore[attr-defined]
+            reservation.provider_endpoint = reservation.pool_endpoint  # type: ignore[attr-defined]
             reservation.dispatched_at = now
             posts = Postings(reservation, held_account_ids(reservation))
             n = reservation.input_reserved
@@ -263,6 +261,9 @@ def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
                 reservation.failure_reason = "cancelled"
             elif reservation.state in {State.DISPATCHED, State.RUNNING}:
                 reservation.settle_partially("cancelled after dispatch")
+                # The gateway cancels once it closed the provider connection: the call stopped, so its
+                # slot goes now (SPEC §5); what the provider produced past the usage posted stays held.
+                slots.free_slot(posts, "cancelled after dispatch: the gateway closed the call")
             elif reservation.state == State.PROPOSED:
                 reservation.reject_queued("cancelled while queued")
             elif reservation.failure_reason.startswith("cancelled"):

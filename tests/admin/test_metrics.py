@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from budgeting.admission.models import Manifest
 from budgeting.observability import metrics
+from budgeting.observability import scrape as scraping
 from ledger import selectors
 from ledger.models import Reservation
 from tests.admin.scenario import record
@@ -134,7 +135,7 @@ def test_leaks_match_the_ledger_audit(scenario):
     expected = len(selectors.audit(now=now).leaks)
     assert expected >= 1
     samples = {}
-    text = generate_latest(metrics.registry(now=now)).decode()
+    text = generate_latest(scraping.registry(now=now)).decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[sample.name] = sample.value
@@ -163,7 +164,7 @@ def test_the_metrics_endpoint_survives_a_database_failure(monkeypatch, db):
     def broken(self, now):
         raise OperationalError("connection refused")
 
-    monkeypatch.setattr(metrics.DatabaseCollector, "_families", broken)
+    monkeypatch.setattr(scraping.DatabaseCollector, "_families", broken)
     assert value(scrape(), "tokenbudget_metrics_database_up") == 0
 
 
@@ -178,8 +179,8 @@ _READ = """
 import django
 django.setup()
 from prometheus_client import generate_latest
-from budgeting.observability import metrics
-print(generate_latest(metrics.registry()).decode())
+from budgeting.observability import scrape
+print(generate_latest(scrape.registry()).decode())
 """
 
 

@@ -11,7 +11,7 @@ from django.db import connection
 from budgeting.admission.models import Answer, Manifest
 from ledger.models import LedgerEntry, Reservation, State
 from tests.api.test_admissions import request_body
-from tests.dbwork import DbWork, count_db_work
+from tests.dbwork import DbWork, count_db_work, second_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -156,7 +156,7 @@ def test_the_connection_health_check_costs_no_statement_of_its_own(demo_api):
 
 def kill_this_connection() -> None:
     pid = connection.connection.info.backend_pid
-    with psycopg.connect(connection.connection.info.dsn, autocommit=True) as admin:
+    with second_connection(autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", [pid])
 
 

@@ -28,7 +28,7 @@ from budgeting.admission.models import Manifest
 from budgeting.admission.replay import replay_manifest
 from budgeting.catalog.models import ModelPool, ModelRevision, PolicyAlias, PolicyState, PolicyVersion
 from budgeting.catalog.snapshot import ACTIVE_ALIAS
-from budgeting.observability import metrics
+from budgeting.observability import scrape as scraping
 from simulation.provider import Simulator
 from tests.budgeting.test_ladder_api import (
     admit,
@@ -178,7 +178,7 @@ def test_a_failing_counting_api_follows_the_counting_unavailable_rule(
 
 
 def scrape() -> str:
-    return generate_latest(metrics.registry()).decode()
+    return generate_latest(scraping.registry()).decode()
 
 
 def test_the_breaker_opens_on_a_dead_api_and_closes_when_it_answers(

@@ -21,7 +21,9 @@ from tokenbudget_gateway.client import DiePoint, PausePoint
 from tokenbudget_gateway.errors import ApiError, ClientDied, StaleFence
 from tokenbudget_gateway.protocol import provider_request_id_for
 
+from budgeting.admission import tasks as admission_tasks
 from budgeting.celery import app as celery_app
+from ledger import tasks as ledger_tasks
 from ledger.models import EntryKind, Hold, LedgerEntry, Outcome, Reservation, State, UsageEvent
 from reconciliation import tasks
 from reconciliation.models import BillingImport
@@ -78,7 +80,7 @@ def test_client_dies_after_recording_dispatch_then_never_processed_releases_it(
     sim.script_lookup("http_500")
     expire(str(r.pk))
     assert tasks.reclaim_expired_leases() == {
-        "released": 0, "frozen": 1, "settled": 0, "refunded": 0, "stillUnknown": 1,
+        "released": 0, "frozen": 1, "settled": 0, "refunded": 0, "stillUnknown": 1, "slotsFreed": 0,
     }  # fmt: skip
     r.refresh_from_db()
     assert (r.state, r.fence) == (State.RECONCILING, 2)
@@ -400,7 +402,9 @@ def test_two_reclaimers_at_once_take_each_lease_once(platform: Platform, sim: Si
     mess = leave_a_mess(platform, sim, each=3)
     reports = run_in_threads(4, lambda _: tasks.reclaim_expired_leases())
     totals = {name: sum(report[name] for report in reports) for name in reports[0]}
-    assert totals == {"released": 3, "frozen": 9, "settled": 6, "refunded": 3, "stillUnknown": 0}
+    assert totals == {
+        "released": 3, "frozen": 9, "settled": 6, "refunded": 3, "stillUnknown": 0, "slotsFreed": 0,
+    }  # fmt: skip
     assert_each_settled_once([rid for ids in mess.values() for rid in ids])
     for rid in mess["reserved"] + mess["dispatched"]:
         assert reservation(rid).outcome == Outcome.RELEASED
@@ -415,9 +419,9 @@ def test_two_beats_running_every_task_at_once(platform: Platform, sim: Simulator
         tasks.reclaim_expired_leases,
         tasks.lookup_unknown_outcomes,
         tasks.import_provider_billing,
-        tasks.admit_queued,
-        tasks.audit_ledger,
-        tasks.roll_periods,
+        admission_tasks.admit_queued,
+        ledger_tasks.audit_ledger,
+        ledger_tasks.roll_periods,
     ]
     reports = run_in_threads(2, lambda _: [task() for task in beat])
     reclaimed = [report[0] for report in reports]

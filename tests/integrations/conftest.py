@@ -40,6 +40,8 @@ MODEL_GROUPS = {
         "maxOutput": 200,
         "outputSafety": ["No legal advice beyond the documents."],
         "authorizationScope": {"permissions": ["contracts:read"]},
+        # A call admitted on the fallback model goes to the proxy model serving it.
+        "deployments": {"small@2026-05-12": "contract-review-small"},
     },
     "support": {
         "modelPool": "eu-large",
@@ -49,6 +51,11 @@ MODEL_GROUPS = {
         "maxOutput": 100,
     },
 }
+
+
+# The hook's one deadline per call to our API: short, so the hung-API test is quick, and long enough for a
+# fresh server's first (cold) admission of a 20k-token request on a busy machine.
+HOOK_DEADLINE_S = 8
 
 
 def free_port() -> int:
@@ -94,18 +101,24 @@ def proxy(
     litellm_venv: Path, ports: Ports, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiteLLMProxy]:
     proxy = LiteLLMProxy(litellm_venv, tmp_path_factory.mktemp("litellm"), free_port())
-    backend = {
-        "model": "openai/model@2026-07-01",
-        "api_base": f"http://127.0.0.1:{ports.sim}/v1",
-        "api_key": PROVIDER_KEY,
-    }
+
+    def backend(model: str) -> dict[str, str]:
+        return {
+            "model": f"openai/{model}",
+            "api_base": f"http://127.0.0.1:{ports.sim}/v1",
+            "api_key": PROVIDER_KEY,
+        }
+
     config = {
-        "model_list": [{"model_name": name, "litellm_params": backend} for name in MODEL_GROUPS],
+        "model_list": [
+            *({"model_name": name, "litellm_params": backend("model@2026-07-01")} for name in MODEL_GROUPS),
+            {"model_name": "contract-review-small", "litellm_params": backend("small@2026-05-12")},
+        ],
         "litellm_settings": {"callbacks": "tokenbudget_litellm.hook.proxy_handler_instance"},
     }
     hook_settings = {
         "apiUrl": f"http://127.0.0.1:{ports.api}",
-        "timeoutSeconds": 10,
+        "timeoutSeconds": HOOK_DEADLINE_S,
         "modelGroups": MODEL_GROUPS,
     }
     started = time.monotonic()
@@ -133,9 +146,15 @@ class Gunicorn:
     port: int
     log: Path
     process: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> None:
-        env = {**os.environ, "DATABASE_URL": database_url_for_subprocesses(), "DB_CONN_MAX_AGE": "0"}
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url_for_subprocesses(),
+            "DB_CONN_MAX_AGE": "0",
+            **self.env,
+        }
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--bind",
@@ -167,11 +186,19 @@ class Gunicorn:
 
 
 @pytest.fixture
-def api(transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path) -> Iterator[Gunicorn]:
+def api_env() -> dict[str, str]:
+    """Settings of our API for this test (overridden by a test module: a short lease)."""
+    return {}
+
+
+@pytest.fixture
+def api(
+    transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path, api_env: dict[str, str]
+) -> Iterator[Gunicorn]:
     """The demo configuration applied, committed, and served by gunicorn (stopped before the test's data is
     flushed, so no request of it can hold a lock the flush waits for)."""
     apply_config(load_file(DEMO))
-    server = Gunicorn(ports.api, tmp_path / "gunicorn.log")
+    server = Gunicorn(ports.api, tmp_path / "gunicorn.log", env=api_env)
     try:
         server.start()
         yield server

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +65,16 @@ def ensure_venv() -> tuple[Path, float | None]:
 @dataclass
 class LiteLLMProxy:
     """``litellm --config`` on loopback with our hook loaded; ``master_key`` is random (the proxy refuses
-    the documented sample key) and it runs without a database, offline (the local model cost map)."""
+    the documented sample key) and it runs without a database, offline (the local model cost map).
+    ``gateway`` is the folder the hook is imported from; ``extra_env`` is added to its environment."""
 
     venv: Path
     workdir: Path
     port: int
     master_key: str = ""
     process: subprocess.Popen[bytes] | None = None
+    gateway: Path = ROOT / "gateway"
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -81,9 +84,12 @@ class LiteLLMProxy:
     def log(self) -> Path:
         return self.workdir / "proxy.log"
 
-    def start(self, config: dict[str, Any], hook_settings: dict[str, Any], api_token: str) -> None:
-        """Write the proxy's config and the hook's settings, start it and wait until it answers."""
-        self.master_key = f"sk-{secrets.token_hex(16)}"
+    def start(
+        self, config: dict[str, Any], hook_settings: dict[str, Any], api_token: str, master_key: str = ""
+    ) -> None:
+        """Write the proxy's config and the hook's settings, start it and wait until it answers (with
+        ``master_key``, or a random one)."""
+        self.master_key = master_key or f"sk-{secrets.token_hex(16)}"
         config_path = self.workdir / "litellm.json"
         settings_path = self.workdir / "tokenbudget-hook.json"
         config_path.write_text(json.dumps(config))
@@ -93,11 +99,12 @@ class LiteLLMProxy:
             "PATH": f"{self.venv / 'bin'}:/usr/bin:/bin",
             "HOME": os.environ.get("HOME", "/tmp"),
             "LANG": "C.UTF-8",
-            "PYTHONPATH": str(ROOT / "gateway"),
+            "PYTHONPATH": str(self.gateway),
             "LITELLM_MASTER_KEY": self.master_key,
             "LITELLM_LOCAL_MODEL_COST_MAP": "True",
             "TOKEN_BUDGET_LITELLM_CONFIG": str(settings_path),
             "TOKEN_BUDGET_TOKEN": api_token,
+            **self.extra_env,
         }
         with self.log.open("wb") as out:
             self.process = subprocess.Popen(

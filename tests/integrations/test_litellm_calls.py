@@ -3,15 +3,20 @@ provider call may claim in ``requestSent`` (no LiteLLM, no database)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import pytest
 from tokenbudget_gateway.errors import ApiError, ApiUnavailable
-from tokenbudget_gateway.transport import ApiClient, ApiResponse
+from tokenbudget_gateway.transport import ApiResponse
 from tokenbudget_litellm.calls import Calls, Refusal, Ticket, failure_reason, request_sent_of
 from tokenbudget_litellm.mapping import AdmissionRequest
+
+T = TypeVar("T")
+NOW = datetime(2026, 11, 30, 11, 59, 0, tzinfo=UTC)
 
 GRANT: dict[str, Any] = {
     "reservationId": "0b6c5a2e-0000-4000-8000-000000000001",
@@ -41,15 +46,14 @@ class Sent:
     headers: Mapping[str, str] | None
 
 
-class ScriptedApi(ApiClient):
+class ScriptedApi:
     """Answers each call with the next scripted answer (an ``ApiResponse`` or an error to raise)."""
 
     def __init__(self, *answers: ApiResponse | Exception) -> None:
-        super().__init__("http://127.0.0.1:1", "token")
         self.answers = list(answers)
         self.sent: list[Sent] = []
 
-    def request(
+    async def request(
         self,
         method: str,
         path: str,
@@ -68,15 +72,24 @@ class Clock:
         self.now = 0.0
         self.slept: list[float] = []
 
-    def sleep(self, seconds: float) -> None:
+    async def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
         self.now += seconds
 
 
-def test_a_grant_becomes_a_ticket_with_the_payload() -> None:
-    api = ScriptedApi(ApiResponse(201, {}, GRANT))
+def run(work: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(work)
 
-    admitted = Calls(api).admit(REQUEST)
+
+def calls(api: ScriptedApi, **kwargs: Any) -> Calls:
+    """Calls on the scripted API with the wall clock at ``NOW`` (a minute before the grant's lease ends)."""
+    return Calls(api, wall_clock=lambda: NOW, **kwargs)
+
+
+def test_a_grant_becomes_a_ticket_with_the_payload() -> None:
+    api = ScriptedApi(ApiResponse(201, {}, {**GRANT, "modelRevision": "small@2026-05-12"}))
+
+    admitted = run(calls(api, dispatch_at_admission=False).admit(REQUEST))
 
     assert admitted.ticket == Ticket(
         reservation_id=GRANT["reservationId"],
@@ -85,25 +98,58 @@ def test_a_grant_becomes_a_ticket_with_the_payload() -> None:
         provider_request_id=f"tbr-{GRANT['reservationId']}",
         max_output=40,
         rung="DEDUP_EVIDENCE",
+        model_revision="small@2026-05-12",
+        lease_s=60.0,
+        dispatched=False,
     )
     assert admitted.payload == GRANT["payload"]
     assert api.sent[0].headers == {"Idempotency-Key": "r-1"}
+    assert "dispatch" not in api.sent[0].body
     assert Ticket.from_metadata(admitted.ticket.to_metadata()) == admitted.ticket
 
 
+def test_the_admission_records_the_dispatch_under_an_id_of_its_idempotency_key() -> None:
+    answer = {**GRANT, "state": "DISPATCHED"}
+    api = ScriptedApi(*[ApiResponse(201, {}, answer)] * 3)
+    other = AdmissionRequest(body={"requestId": "r-2"}, idempotency_key="r-2")
+
+    first = run(calls(api).admit(REQUEST)).ticket
+    again = run(calls(api).admit(REQUEST)).ticket
+    another = run(calls(api).admit(other)).ticket
+
+    assert first is not None and again is not None and another is not None and first.dispatched
+    sent = api.sent[0].body["dispatch"]["providerRequestId"]
+    assert first.provider_request_id == sent and sent.startswith("tbr-")
+    assert again.provider_request_id == sent, "a repeated admission must name the same id"
+    assert another.provider_request_id != sent
+
+
+def test_a_queued_admission_is_not_dispatched_by_it() -> None:
+    queued = ApiResponse(202, {"retry-after": "1"}, {"reservationId": "q-1", "state": "PROPOSED"})
+    api = ScriptedApi(queued, ApiResponse(200, {}, {**GRANT, "state": "RESERVED"}))
+    clock = Clock()
+
+    ticket = run(
+        calls(api, queue_wait_s=5, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST)
+    ).ticket
+
+    assert ticket is not None and not ticket.dispatched
+    assert ticket.provider_request_id == f"tbr-{GRANT['reservationId']}"
+
+
 def test_a_shadow_answer_admits_nothing() -> None:
-    admitted = Calls(ScriptedApi(ApiResponse(200, {}, {"mode": "SHADOW", "payload": {}}))).admit(REQUEST)
+    admitted = run(calls(ScriptedApi(ApiResponse(200, {}, {"mode": "SHADOW", "payload": {}}))).admit(REQUEST))
 
     assert (admitted.ticket, admitted.shadow) == (None, True)
 
 
-@pytest.mark.parametrize(("status", "expected"), [(429, 429), (422, 422), (404, 404), (503, 503), (500, 503)])
+@pytest.mark.parametrize(("status", "expected"), [(429, 429), (422, 422), (404, 400), (503, 503), (500, 503)])
 def test_a_rejection_is_a_refusal_with_our_status_problem_and_retry_after(status: int, expected: int) -> None:
     problem = {"status": status, "code": "QUOTA_EXCEEDED", "detail": "no output tokens left"}
     api = ScriptedApi(ApiError(status, problem, "/api/v1/admissions", "7"))
 
     with pytest.raises(Refusal) as refused:
-        Calls(api).admit(REQUEST)
+        run(calls(api).admit(REQUEST))
 
     assert (refused.value.status, refused.value.code, refused.value.retry_after) == (
         expected,
@@ -114,7 +160,7 @@ def test_a_rejection_is_a_refusal_with_our_status_problem_and_retry_after(status
 
 def test_an_unreachable_api_is_not_a_refusal() -> None:
     with pytest.raises(ApiUnavailable):
-        Calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "refused"))).admit(REQUEST)
+        run(calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "refused"))).admit(REQUEST))
 
 
 def test_a_queued_admission_is_asked_again_with_the_same_key_until_admitted() -> None:
@@ -122,11 +168,12 @@ def test_a_queued_admission_is_asked_again_with_the_same_key_until_admitted() ->
     api = ScriptedApi(queued, queued, ApiResponse(200, {"idempotent-replayed": "true"}, GRANT))
     clock = Clock()
 
-    admitted = Calls(api, queue_wait_s=10, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST)
+    admitted = run(calls(api, queue_wait_s=10, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST))
 
     assert admitted.ticket is not None
     assert clock.slept == [2.0, 2.0]
     assert [sent.headers for sent in api.sent] == [{"Idempotency-Key": "r-1"}] * 3
+    assert len({str(sent.body) for sent in api.sent}) == 1, "the same body, dispatch id included"
 
 
 def test_a_queued_admission_that_does_not_clear_in_time_is_cancelled_and_refused_429() -> None:
@@ -136,7 +183,7 @@ def test_a_queued_admission_that_does_not_clear_in_time_is_cancelled_and_refused
     clock = Clock()
 
     with pytest.raises(Refusal) as refused:
-        Calls(api, queue_wait_s=1, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST)
+        run(calls(api, queue_wait_s=1, sleep=clock.sleep, monotonic=lambda: clock.now).admit(REQUEST))
 
     assert (refused.value.status, refused.value.code, refused.value.retry_after) == (429, "QUEUED", "2")
     assert [(sent.method, sent.path, sent.body) for sent in api.sent[2:]] == [
@@ -147,12 +194,15 @@ def test_a_queued_admission_that_does_not_clear_in_time_is_cancelled_and_refused
 
 def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -> None:
     api = ScriptedApi()
-    calls = Calls(api)
+    made = calls(api)
 
-    calls.dispatch(TICKET)
-    calls.complete(TICKET, input_tokens=12, output_tokens=30, provider_id="tbr-res-1")
-    calls.fail(TICKET, request_sent="unknown", reason="Timeout", output_seen=4)
-    calls.cancel(TICKET, output_seen=2)
+    async def every_call() -> None:
+        await made.dispatch(TICKET)
+        await made.complete(TICKET, input_tokens=12, output_tokens=30, provider_id="tbr-res-1")
+        await made.fail(TICKET, request_sent="unknown", reason="Timeout", output_seen=4)
+        await made.cancel(TICKET, output_seen=2)
+
+    run(every_call())
 
     assert [(sent.path.rsplit("/", 1)[-1], sent.body) for sent in api.sent] == [
         (
@@ -177,10 +227,17 @@ def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -
     ]
 
 
+def test_a_renewal_answers_the_leases_new_length() -> None:
+    api = ScriptedApi(ApiResponse(200, {}, {"lease": {"fence": 3, "expiresAt": "2026-11-30T11:59:45+00:00"}}))
+
+    assert run(calls(api).renew(TICKET)) == 45.0
+    assert (api.sent[0].path, api.sent[0].body) == ("/api/v1/reservations/res-1/lease", {"fence": 3})
+
+
 def test_a_provider_id_our_api_cannot_take_is_not_used_in_event_ids() -> None:
     api = ScriptedApi()
 
-    Calls(api).complete(TICKET, input_tokens=1, output_tokens=1, provider_id="bad id with spaces")
+    run(calls(api).complete(TICKET, input_tokens=1, output_tokens=1, provider_id="bad id with spaces"))
 
     assert api.sent[0].body["usageEventId"] == "tbr-res-1:1"
 

@@ -86,6 +86,11 @@ def admitted_tokens(row: Reservation) -> int:
     return int(row.response_body["tokens"]["input"])
 
 
+def reservation_for(provider_request_id: str) -> str:
+    """The id of the reservation dispatched under this provider request id (the completion's id)."""
+    return str(Reservation.objects.get(provider_request_id=provider_request_id).pk)
+
+
 def settled(reservation_id: str) -> Reservation:
     """The reservation once a terminal hook has run (the success hook runs after the answer was sent)."""
     wait_for(
@@ -108,7 +113,7 @@ def test_a_call_through_the_proxy_is_admitted_sent_as_admitted_and_settled_at_th
 
     completion_id, usage = ask(proxy, stream=stream, items=[evidence("e1")])
 
-    reservation_id = completion_id.removeprefix("tbr-")
+    reservation_id = reservation_for(completion_id)
     row = settled(reservation_id)
     billed = simulator.entry(completion_id)
     assert billed is not None
@@ -151,7 +156,7 @@ def test_a_degraded_request_reaches_the_provider_as_the_admitted_payload(
 
     completion_id, _ = ask(proxy, stream=True, items=items)
 
-    row = settled(completion_id.removeprefix("tbr-"))
+    row = settled(reservation_for(completion_id))
     assert row.rung == "DEDUP_EVIDENCE"
     admitted = admitted_messages(row)
     assert counter.seen == [admitted]
@@ -231,7 +236,7 @@ def test_a_stream_the_client_abandons_is_cancelled_then_reconciled_from_the_prov
             break
     stream.close()
 
-    row = settled(chunk.id.removeprefix("tbr-"))
+    row = settled(reservation_for(chunk.id))
     assert row.state == ReservationState.PARTIALLY_SETTLED
     assert row.failure_reason.startswith("cancelled") and row.captured >= 2
     wait_for(

@@ -1,5 +1,5 @@
-"""The LiteLLM integration needs no Django: all of ``tokenbudget_litellm`` but the hook imports with the
-standard library only, and what the hook misses there is LiteLLM (or the FastAPI it brings)."""
+"""The LiteLLM integration needs no Django: all of ``tokenbudget_litellm`` but the hook and its transport
+imports with the standard library only, and what those miss there is LiteLLM's (FastAPI, httpx2)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ sys.path.insert(0, {gateway!r})
 for name in ("tokenbudget_litellm", "tokenbudget_litellm.settings", "tokenbudget_litellm.mapping",
              "tokenbudget_litellm.calls"):
     importlib.import_module(name)
-try:
-    import tokenbudget_litellm.hook
-except ModuleNotFoundError as missing:
-    print(missing.name)
+for name in ("tokenbudget_litellm.transport", "tokenbudget_litellm.hook"):
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as missing:
+        print(missing.name)
 """
 
 
@@ -33,6 +34,7 @@ def test_only_the_hook_needs_more_than_the_standard_library() -> None:
     )
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() in {"fastapi", "litellm"}
+    transport, hook = result.stdout.split()
+    assert transport == "httpx2" and hook in {"fastapi", "litellm", "httpx2"}
     modules = {path.stem for path in (GATEWAY / "tokenbudget_litellm").glob("[!_]*.py")}
-    assert modules == {"settings", "mapping", "calls", "hook"}, "a new module: add it to the import above"
+    assert modules == {"settings", "mapping", "calls", "transport", "hook"}, "a new module: add it above"

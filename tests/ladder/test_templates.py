@@ -52,7 +52,7 @@ def whole_stream_count(family: str, pieces: Sequence[Piece], formula: ImageFormu
 
 def test_families_are_registered() -> None:
     # The families framed by the vendors' own code are proven against it in test_families.py.
-    assert set(TEMPLATE_FAMILIES) == set(FAMILIES) | {"openai", "llama3"}
+    assert set(TEMPLATE_FAMILIES) == set(FAMILIES) | {"openai", "llama3", "mistral"}
     with pytest.raises(TemplateError):
         get_template("chatml")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection, transaction
 
@@ -17,6 +16,7 @@ from ledger.errors import QuotaExceeded
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope
 from ledger.selectors import audit
 from ledger.services import admission
+from tests.dbwork import second_connection
 from tests.ledger.helpers import admit, catalog, pool_account, run_concurrently, spec, tenant_account
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -169,7 +169,7 @@ def test_a_replayed_key_answers_without_waiting_for_the_hot_accounts():
     cat = catalog()
     account = tenant_account(cat)
     first = admit(spec(cat, key="retry-me"))
-    with psycopg.connect(connection.connection.info.dsn) as other:
+    with second_connection() as other:
         other.execute("SELECT 1 FROM ledger_capacityaccount WHERE id = %s FOR UPDATE", [account.pk])
         with connection.cursor() as cursor:
             cursor.execute("SET lock_timeout = '2s'")

@@ -216,14 +216,16 @@ def test_stale_fence_is_refused_everywhere(setup):
     assert r.captured == 0
 
 
-def test_cancel_after_dispatch_settles_consumed_and_keeps_rest_held(setup):
+def test_cancel_after_dispatch_settles_consumed_keeps_rest_held_and_frees_the_slot(setup):
     cat, t, _ = setup
     r = dispatched(cat)
     usage(cat, r, "e1", 20)
     r = lifecycle.cancel(reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, now=now())
     assert r.state == State.PARTIALLY_SETTLED
-    assert (r.captured, r.remaining, r.released) == (20, 30, 0)
-    assert balances(t) == (0, 30, 100, 20, 1)
+    assert (r.captured, r.remaining, r.released, r.concurrency_held) == (20, 30, 0, False)
+    # The gateway cancelled: the call stopped, so its slot goes (SPEC §5); the unknown output stays held.
+    assert balances(t) == (0, 30, 100, 20, 0)
+    assert r.entries.filter(kind="SLOT_FREE", in_flight=-1).count() == r.holds.count()
     r, _ = usage(cat, r, "final", 5, final=True)
     assert (r.state, r.outcome, r.released) == (State.SETTLED, Outcome.COMPLETED, 25)
     assert balances(t) == (0, 0, 100, 25, 0)

@@ -1,0 +1,231 @@
+"""What the LiteLLM hook adds to a call, against what LiteLLM itself costs, measured side by side in one run.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
+        .venv/bin/python bench/gateway_bench.py [--calls 150] [--rounds 4] [--before /work/main/gateway] \
+        [--server gthread|sync]
+
+It provisions its own database (``<name>_bench``, the demo configuration), serves our API with gunicorn,
+starts the provider simulator and real LiteLLM 1.110.2 proxies (tests/integrations/litellm_proxy.py's venv)
+on loopback, all routing the same model group to the same simulator:
+  - ``bare``: no callbacks, LiteLLM alone;
+  - ``hook``: ``tokenbudget_litellm`` of this checkout;
+  - ``before`` (with ``--before DIR``): the hook of another checkout's ``gateway/`` folder, e.g. main's
+    before a change.
+One client sends the same non-streaming chat completion (a support question, 20 output tokens) to each proxy
+in turn, in blocks of ``--calls`` calls per proxy and ``--rounds`` rounds, over one kept-alive connection
+each, so a machine whose speed drifts moves every arm alike. For each arm it prints the client-seen p50/p95
+and LiteLLM's own ``x-litellm-overhead-duration-ms`` (p50/p95, from the same responses); the hook-added
+latency is the hook arm's p50 (p95) minus the bare arm's, and the ratio is the hook-added p50 over LiteLLM's
+own overhead p50 in the bare arm (goal: ≤ 0.5). The audit of our ledger must be clean at the end and every
+call settled.
+
+``--server`` serves our API with gunicorn's threaded workers (the default: they keep connections alive, so the
+hook's kept-alive connection is used) or sync workers as ``./platform run`` starts them today (one connection
+per request whatever the client does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from admission_bench import TOKEN, bench_database_url, free_port, prepare  # noqa: E402
+
+from tests.integrations.litellm_proxy import LiteLLMProxy, ensure_venv  # noqa: E402
+
+PROVIDER_KEY = "sk-sim-bench"
+GROUP = {
+    "modelPool": "eu-large",
+    "modelRevision": "model@2026-07-01",
+    "taskClass": "support-chat",
+    "tenant": "t-internal",
+    "maxOutput": 100,
+}
+REQUEST = {
+    "model": "support",
+    "messages": [
+        {"role": "system", "content": "You answer support questions briefly."},
+        {"role": "user", "content": "How do I reset my password?"},
+    ],
+    "max_tokens": 20,
+}
+
+
+@dataclass
+class Arm:
+    name: str
+    proxy: LiteLLMProxy
+    client: httpx2.Client | None = None
+    latencies_ms: list[float] = field(default_factory=list)
+    overhead_ms: list[float] = field(default_factory=list)
+
+    def call(self) -> None:
+        assert self.client is not None
+        started = time.perf_counter()
+        answer = self.client.post("/v1/chat/completions", json=REQUEST)
+        elapsed = (time.perf_counter() - started) * 1000
+        if answer.status_code != 200:
+            raise SystemExit(f"{self.name}: HTTP {answer.status_code}: {answer.text[:500]}")
+        self.latencies_ms.append(elapsed)
+        self.overhead_ms.append(float(answer.headers["x-litellm-overhead-duration-ms"]))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def serve_api(url: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    model = ["--worker-class", "gthread", "--threads", "4"] if server == "gthread" else []
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "-b", f"127.0.0.1:{port}",
+         "-w", "2", *model, "--log-level", "warning"],
+        env={**os.environ, "DATABASE_URL": url}, cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(base + "/api/v1/", timeout=2).read()
+            return process, base
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit("gunicorn did not start")
+
+
+def start_proxy(venv: Path, workdir: Path, sim: str, api: str, gateway: Path | None) -> LiteLLMProxy:
+    """A proxy routing ``support`` to the simulator; with our hook from ``gateway`` unless it is None."""
+    proxy = LiteLLMProxy(venv, workdir, free_port(), gateway=gateway or ROOT / "gateway")
+    workdir.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "model_list": [
+            {
+                "model_name": "support",
+                "litellm_params": {
+                    "model": "openai/model@2026-07-01",
+                    "api_base": sim,
+                    "api_key": PROVIDER_KEY,
+                },
+            }
+        ]
+    }
+    if gateway is not None:
+        config["litellm_settings"] = {"callbacks": "tokenbudget_litellm.hook.proxy_handler_instance"}
+    proxy.start(config, {"apiUrl": api, "modelGroups": {"support": GROUP}}, TOKEN)
+    return proxy
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=150, help="calls per arm per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--before", type=Path, help="another checkout's gateway/ folder, measured as 'before'"
+    )
+    parser.add_argument("--server", choices=["gthread", "sync"], default="gthread")
+    args = parser.parse_args()
+
+    url = bench_database_url()
+    prepare(url)
+    os.environ["DATABASE_URL"] = url
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
+    django.setup()
+    # The project's logging prints every HTTP request the bench's client makes; only the figures matter here.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    from ledger import selectors
+    from ledger.models import Reservation, State
+    from simulation.provider import Simulator
+
+    venv, _ = ensure_venv()
+    api_process, api = serve_api(url, args.server)
+    simulator = Simulator(seed=3)
+    sim = simulator.start(port=free_port()) + "/v1"
+    arms: list[Arm] = []
+    with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
+        try:
+            arms.append(Arm("bare", start_proxy(venv, Path(tmp) / "bare", sim, api, None)))
+            arms.append(Arm("hook", start_proxy(venv, Path(tmp) / "hook", sim, api, ROOT / "gateway")))
+            if args.before is not None:
+                arms.append(Arm("before", start_proxy(venv, Path(tmp) / "before", sim, api, args.before)))
+            for arm in arms:
+                arm.client = httpx2.Client(
+                    base_url=arm.proxy.url,
+                    headers={"Authorization": f"Bearer {arm.proxy.master_key}"},
+                    timeout=60,
+                )
+                for _ in range(20):  # warm-up, not counted
+                    arm.call()
+                arm.latencies_ms.clear()
+                arm.overhead_ms.clear()
+            for _ in range(args.rounds):
+                for arm in arms:
+                    for _ in range(args.calls):
+                        arm.call()
+            time.sleep(3)  # the success hooks settle after the answer
+            unsettled = Reservation.objects.exclude(state=State.SETTLED).count()
+            audit = selectors.audit()
+        finally:
+            for arm in arms:
+                if arm.client is not None:
+                    arm.client.close()
+                arm.proxy.stop()
+            simulator.stop()
+            api_process.terminate()
+            api_process.wait(20)
+
+    bare = arms[0]
+    bare_p50, bare_p95 = percentile(bare.latencies_ms, 0.5), percentile(bare.latencies_ms, 0.95)
+    own_p50 = percentile(bare.overhead_ms, 0.5)
+    print(
+        f"LiteLLM 1.110.2 proxy, 1 worker; our API: gunicorn {args.server}, 2 workers; one client, "
+        f"{args.rounds} rounds × {args.calls} non-streaming calls per arm, interleaved; shared 2-core machine"
+    )
+    print(f"{'arm':<8} {'p50 ms':>8} {'p95 ms':>8} {'litellm overhead p50/p95 ms':>28}")
+    for arm in arms:
+        p50, p95 = percentile(arm.latencies_ms, 0.5), percentile(arm.latencies_ms, 0.95)
+        own = f"{percentile(arm.overhead_ms, 0.5):13.1f} / {percentile(arm.overhead_ms, 0.95):6.1f}"
+        print(f"{arm.name:<8} {p50:8.1f} {p95:8.1f} {own}")
+    results: dict[str, Any] = {"litellmOwnOverheadP50Ms": round(own_p50, 2)}
+    for arm in arms[1:]:
+        added50 = percentile(arm.latencies_ms, 0.5) - bare_p50
+        added95 = percentile(arm.latencies_ms, 0.95) - bare_p95
+        ratio = added50 / own_p50 if own_p50 > 0 else float("inf")
+        print(
+            f"{arm.name}: hook-added p50 {added50:+.1f} ms, p95 {added95:+.1f} ms; LiteLLM's own overhead "
+            f"p50 {own_p50:.1f} ms; ratio {ratio:.2f} (goal <= 0.5)"
+        )
+        results[arm.name] = {
+            "addedP50Ms": round(added50, 2),
+            "addedP95Ms": round(added95, 2),
+            "ratio": round(ratio, 3),
+            "meanMs": round(statistics.fmean(arm.latencies_ms), 2),
+        }
+    problems = "" if audit.ok else f": {audit.violations[:3]} {audit.leaks[:3]}"
+    print(
+        f"reservations not settled: {unsettled}; audit {'clean' if audit.ok else 'NOT clean'} "
+        f"({audit.reservations_checked} reservations){problems}"
+    )
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

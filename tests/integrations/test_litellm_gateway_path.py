@@ -1,0 +1,301 @@
+"""The gateway path through a real LiteLLM proxy (issue 22 §1): the official ``openai`` SDK calls the proxy,
+which loads our hook and routes to the provider simulator; our API runs under gunicorn on the test database
+with a 3 s lease (``LEASE_SECONDS``), so a call of a few seconds outlives several leases.
+
+What each test proves is in its name.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from budgeting.catalog.models import ModelRevision
+from ledger.models import CapacityAccount, EntryKind, LedgerEntry, Reservation
+from ledger.models import State as ReservationState
+from reconciliation import tasks
+from simulation.billing import BillingStatus
+from simulation.provider import Simulator
+from tests.e2e_faults.harness import assert_clean, point_pools_at, wait_for
+from tests.integrations.conftest import HOOK_DEADLINE_S, Gunicorn, Ports, RecordingCounter
+from tests.integrations.litellm_proxy import LiteLLMProxy
+from tests.integrations.test_litellm_proxy import CLAUSE, RULES, client, evidence, settled
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+LEASE_S = 3
+PRIMARY, FALLBACK = "model@2026-07-01", "small@2026-05-12"
+
+
+@pytest.fixture
+def api_env() -> dict[str, str]:
+    return {"LEASE_SECONDS": str(LEASE_S)}
+
+
+def reservation_of(response: Any) -> Reservation:
+    """The reservation a response names in its ``x-tokenbudget-reservation-id`` header."""
+    return Reservation.objects.get(pk=response.headers["x-tokenbudget-reservation-id"])
+
+
+def in_flight() -> dict[int, int]:
+    return dict(CapacityAccount.objects.values_list("pk", "in_flight"))
+
+
+def logged_since(proxy: LiteLLMProxy, before: str) -> list[str]:
+    """The proxy's log lines after ``before``, less uvicorn's access lines (one per request, not a log of
+    the refusal)."""
+    time.sleep(1)
+    lines = proxy.log.read_text(errors="replace")[len(before) :].strip().splitlines()
+    return [line for line in lines if ' HTTP/1.1" ' not in line]
+
+
+def test_a_call_admitted_on_the_fallback_model_is_sent_to_that_model(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, counter = sim
+    # The primary's window is too small for the minimum evidence, the fallback's is not (as the provider says
+    # too: a request sent to the primary would be refused for its context length).
+    ModelRevision.objects.filter(name=PRIMARY).update(context_window=12000)
+    simulator.context_windows.update({PRIMARY: 12000, FALLBACK: 65536})
+    long_clause = " ".join(f"Clause {n}: the supplier shall deliver within {n} days." for n in range(1000))
+
+    raw = client(proxy).chat.completions.with_raw_response.create(
+        model="contract-review",
+        messages=[
+            {"role": "system", "content": RULES},
+            {"role": "user", "content": "Summarise the clauses."},
+        ],
+        max_tokens=40,
+        extra_body={"metadata": {"tokenbudget": {"evidence": [evidence("e1", long_clause)]}}},
+    )
+    answer = raw.parse()
+
+    row = settled(str(reservation_of(raw).pk))
+    assert (row.rung, row.model_revision.name) == ("SMALLER_MODEL", FALLBACK)
+    assert raw.headers["x-tokenbudget-model-revision"] == FALLBACK
+    billed = simulator.entry(answer.id)
+    assert billed is not None and billed.model == FALLBACK, "the provider must receive the admitted model"
+    assert (row.input_consumed, row.captured + row.overrun) == (
+        billed.prompt_tokens,
+        billed.completion_tokens,
+    )
+    assert len(counter.seen) == 1
+    assert_clean(simulator)
+
+
+class Reclaimer:
+    """The real reclaimer's beat task, run every 0.3 s while a call runs; records each lease expiry seen."""
+
+    def __init__(self) -> None:
+        self.reports: list[dict[str, int]] = []
+        self.expiries: dict[Any, set[Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            self.reports.append(tasks.reclaim_expired_leases())
+            for pk, expiry in Reservation.objects.exclude(lease_expires_at=None).values_list(
+                "pk", "lease_expires_at"
+            ):
+                self.expiries.setdefault(pk, set()).add(expiry)
+
+    def __enter__(self) -> Reclaimer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_call_lasting_three_leases_keeps_its_lease_and_settles_at_the_billed_usage(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter], stream: bool
+) -> None:
+    simulator, _ = sim
+    point_pools_at(simulator.base_url)
+    request: dict[str, Any] = {
+        "model": "support",
+        "messages": [{"role": "user", "content": "Where is my order?"}],
+        "max_tokens": 24,
+    }
+    # A fresh API's first admission loads its caches; the call measured must not start with that.
+    client(proxy).chat.completions.create(**request)
+    if stream:
+        simulator.script(completion_tokens=24, chunk_delay_s=1.2)
+    else:
+        simulator.script(completion_tokens=24, delay_s=3 * LEASE_S + 0.5)
+    started = time.monotonic()
+
+    with Reclaimer() as reclaimer:
+        if stream:
+            raw = client(proxy).chat.completions.with_raw_response.create(**request, stream=True)
+            completion_id = ""
+            for chunk in raw.parse():
+                completion_id = chunk.id
+        else:
+            raw = client(proxy).chat.completions.with_raw_response.create(**request)
+            completion_id = raw.parse().id
+        row = settled(str(reservation_of(raw).pk))
+
+    assert time.monotonic() - started >= 3 * LEASE_S
+    assert sum(report["settled"] + report["frozen"] + report["released"] for report in reclaimer.reports) == 0
+    assert len(reclaimer.expiries[row.pk]) >= 3, "the lease was not renewed while the call ran"
+    assert (row.state, row.outcome, row.fence) == (ReservationState.SETTLED, "COMPLETED", 1)
+    billed = simulator.entry(completion_id)
+    assert billed is not None
+    assert (row.input_consumed, row.captured + row.overrun) == (
+        billed.prompt_tokens,
+        billed.completion_tokens,
+    )
+    assert_clean(simulator)
+
+
+def test_a_stream_the_client_did_not_ask_usage_of_is_still_settled_at_the_providers_usage(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, _ = sim
+    raw = client(proxy).chat.completions.with_raw_response.create(
+        model="support",
+        messages=[{"role": "user", "content": "Where is my order?"}],
+        max_tokens=30,
+        stream=True,
+    )
+    chunks = list(raw.parse())
+
+    assert all(chunk.usage is None for chunk in chunks), "the usage chunk reached a client that did not ask"
+    row = settled(str(reservation_of(raw).pk))
+    billed = simulator.entry(chunks[-1].id)
+    assert billed is not None
+    assert (row.input_consumed, row.captured + row.overrun) == (
+        billed.prompt_tokens,
+        billed.completion_tokens,
+    )
+    assert_clean(simulator)
+
+
+def test_an_abandoned_stream_frees_its_slot_at_once_and_holds_only_the_unknown_output(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, _ = sim
+    point_pools_at(simulator.base_url)
+    simulator.script(completion_tokens=60, chunk_delay_s=0.3)
+    before = in_flight()
+    raw = client(proxy).chat.completions.with_raw_response.create(
+        model="contract-review",
+        messages=[{"role": "user", "content": "Summarise clause 7."}],
+        max_tokens=60,
+        stream=True,
+        extra_body={"metadata": {"tokenbudget": {"evidence": [evidence("e1", CLAUSE)]}}},
+    )
+    reservation_id = raw.headers["x-tokenbudget-reservation-id"]
+    stream = raw.parse()
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 2:
+            break
+    stream.close()
+
+    wait_for(
+        lambda: Reservation.objects.get(pk=reservation_id).state == ReservationState.PARTIALLY_SETTLED,
+        timeout=20,
+        what="the cancel",
+    )
+    row = Reservation.objects.get(pk=reservation_id)
+    assert not row.concurrency_held and in_flight() == before, "the slot stays held after the provider closed"
+    assert row.captured >= 2 and row.remaining > 0, "what the provider produced past the chunks stays held"
+    freed = LedgerEntry.objects.filter(reservation_id=reservation_id, kind=EntryKind.SLOT_FREE)
+    assert freed.count() == row.holds.count() and all(entry.in_flight == -1 for entry in freed)
+    assert "closed the call" in freed.first().reason  # type: ignore[union-attr]
+    wait_for(
+        lambda: (
+            (entry := simulator.entry(chunk.id)) is not None and entry.status is not BillingStatus.RUNNING
+        ),
+        timeout=30,
+        what="the provider to stop generating",
+    )
+    # The rest waits for evidence: at the lease's end the reclaimer's provider lookup settles it.
+    wait_for(
+        lambda: tasks.reclaim_expired_leases()["settled"] == 1,
+        timeout=10 * LEASE_S,
+        what="the lease to expire and the reclaimer to settle the call",
+    )
+    row.refresh_from_db()
+    assert (row.state, row.outcome) == (ReservationState.SETTLED, "RECONCILED")
+    assert_clean(simulator)
+
+
+@pytest.fixture
+def hung_api(ports: Ports) -> Iterator[list[socket.socket]]:
+    """Our API's port answered by a server that accepts connections and never answers."""
+    listener = socket.create_server(("127.0.0.1", ports.api))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield accepted
+    stop.set()
+    thread.join(5)
+    for conn in accepted:
+        conn.close()
+    listener.close()
+
+
+def test_a_hung_api_is_refused_503_within_the_one_deadline(
+    proxy: LiteLLMProxy, hung_api: list[socket.socket], sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, counter = sim
+    log_before = proxy.log.read_text(errors="replace")
+    started = time.monotonic()
+
+    with pytest.raises(openai.InternalServerError) as refused:
+        client(proxy).chat.completions.create(
+            model="support", messages=[{"role": "user", "content": "Where is my order?"}], max_tokens=20
+        )
+
+    elapsed = time.monotonic() - started
+    assert HOOK_DEADLINE_S - 0.5 <= elapsed < HOOK_DEADLINE_S + 3, elapsed
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == "5"
+    assert refused.value.body["provider_specific_fields"]["code"] == "ADMISSION_UNAVAILABLE"  # type: ignore[index]
+    assert hung_api, "the hook never reached the hung server"
+    assert counter.seen == [] and simulator.entries() == []
+    logged = logged_since(proxy, log_before)
+    assert len(logged) == 1 and "refused 503" in logged[0], logged
+
+
+def test_an_unknown_tenant_is_a_bad_request_in_one_log_line(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, _ = sim
+    log_before = proxy.log.read_text(errors="replace")
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(proxy).chat.completions.create(
+            model="support",
+            messages=[{"role": "user", "content": "Where is my order?"}],
+            extra_body={"metadata": {"tokenbudget": {"tenant": "t-nobody"}}},
+        )
+
+    assert refused.value.status_code == 400
+    assert refused.value.body["provider_specific_fields"]["code"] == "TENANT_NOT_FOUND"  # type: ignore[index]
+    logged = logged_since(proxy, log_before)
+    assert len(logged) == 1 and "TENANT_NOT_FOUND" in logged[0], logged
+    assert simulator.entries() == []
