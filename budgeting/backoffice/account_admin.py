@@ -424,6 +424,7 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
         "reason",
     ]
     list_filter = [("ended_at", admin.EmptyFieldListFilter), "expires_at"]
+    change_list_template = "admin/tokenbudget/wide_change_list.html"
     search_fields = ["reason", "created_by", "account__tenant__slug", "account__pool__slug"]
     actions = ["revoke", "end_expired"]
     list_select_related = ["account__tenant", "account__task_class", "account__pool"]
