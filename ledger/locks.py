@@ -9,13 +9,12 @@ deadlock.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from django.contrib.postgres.expressions import ArraySubquery
-from django.db.models import DateTimeField, Func, OuterRef
-
+from budgeting.catalog.models import ModelPool
 from ledger.models import CapacityAccount, Hold, Reservation
 
 
@@ -29,20 +28,32 @@ def lock_reservation(
     answer, a queued request) are deferred: no lifecycle write reads them, and unpacking one (and writing it
     back) was most of a lifecycle call's time for a large admission.
     """
-    # The held accounts come with the row (one statement): every write that follows moves their balances.
-    held = Hold.objects.filter(reservation=OuterRef("pk")).order_by("account_id").values("account_id")
-    queryset = (
-        Reservation.objects.select_for_update(of=("self",))
-        .defer("request_body", "response_body")
-        .filter(pk=reservation_id)
-        .annotate(
-            held_account_ids=ArraySubquery(held),
-            db_now=Func(function="clock_timestamp", output_field=DateTimeField()),
-        )
+    # One statement, its text built once: the held accounts (every write that follows moves their
+    # balances), the database clock and the pool's provider adapter and endpoint (what a dispatch records)
+    # come with the row. Its other columns but the stored documents are the model's fields.
+    params: list[Any] = [reservation_id] if tenant_ids is None else [reservation_id, list(tenant_ids)]
+    found = list(Reservation.objects.raw(_lock_sql(tenant_ids is not None), params))
+    return found[0] if found else None
+
+
+# Read by no lifecycle write, and large: left deferred (an access reads them on demand).
+_DEFERRED = ("request_body", "response_body")
+
+
+@functools.cache
+def _lock_sql(scoped: bool) -> str:
+    columns = ", ".join(
+        f'r."{f.column}"' for f in Reservation._meta.concrete_fields if f.attname not in _DEFERRED
     )
-    if tenant_ids is not None:
-        queryset = queryset.filter(tenant_id__in=list(tenant_ids))
-    return queryset.first()
+    tenants = " AND r.tenant_id = ANY(%s::bigint[])" if scoped else ""
+    return (
+        f"SELECT {columns},"
+        f" ARRAY(SELECT h.account_id FROM {Hold._meta.db_table} h WHERE h.reservation_id = r.id"
+        "  ORDER BY h.account_id) AS held_account_ids,"
+        " clock_timestamp() AS db_now, p.adapter AS pool_adapter, p.provider_base_url AS pool_endpoint"
+        f" FROM {Reservation._meta.db_table} r JOIN {ModelPool._meta.db_table} p ON p.id = r.model_pool_id"
+        f" WHERE r.id = %s{tenants} FOR UPDATE OF r"
+    )
 
 
 def lock_account(account_id: int) -> CapacityAccount:

@@ -25,15 +25,37 @@ from budgeting.db.cursor import this_connection
 
 def update_sql(row: models.Model) -> tuple[str, list[Any]]:
     """The row's UPDATE as ``save()`` would run it (auto_now fields included): the fields it loaded (a
-    deferred one it never read is left as it is)."""
+    deferred one it never read is left as it is). Each value is its field's ``get_db_prep_save`` of its
+    ``pre_save``, as the compiler sends it, and the text is built once per model and columns; a value that is
+    an expression (or a model instance) goes through Django's compiler, which knows how to write it."""
     model = type(row)
     deferred = row.get_deferred_fields()
     fields = [f for f in model._meta.concrete_fields if not f.primary_key and f.attname not in deferred]
-    query = UpdateQuery(model)
-    query.add_update_fields([(f, None, f.pre_save(row, False)) for f in fields])
-    query.add_q(Q(pk=row.pk))
-    sql, params = query.get_compiler(connection=connection).as_sql()
-    return sql, list(params)
+    values = [f.pre_save(row, False) for f in fields]
+    if any(
+        hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save") for value in values
+    ) or any(hasattr(f, "get_placeholder") for f in fields):
+        query = UpdateQuery(model)
+        query.add_update_fields([(f, None, value) for f, value in zip(fields, values, strict=True)])
+        query.add_q(Q(pk=row.pk))
+        sql, params = query.get_compiler(connection=connection).as_sql()
+        return sql, list(params)
+    db = this_connection()
+    params = [f.get_db_prep_save(value, connection=db) for f, value in zip(fields, values, strict=True)]
+    pk = model._meta.pk
+    assert pk is not None
+    params.append(pk.get_db_prep_value(row.pk, db))
+    return _update_statement(model, tuple(f.column for f in fields)), params
+
+
+@functools.lru_cache(maxsize=64)
+def _update_statement(model: type[models.Model], columns: tuple[str, ...]) -> str:
+    quote = connection.ops.quote_name
+    table = quote(model._meta.db_table)
+    pk = model._meta.pk
+    assert pk is not None and pk.column is not None
+    assignments = ", ".join(f"{quote(column)} = %s" for column in columns)
+    return f"UPDATE {table} SET {assignments} WHERE {table}.{quote(pk.column)} = %s"
 
 
 def insert_sql(row: models.Model, expressions: Mapping[str, str] | None = None) -> tuple[str, list[Any]]:
