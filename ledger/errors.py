@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from budgeting.catalog.errors import CapacityExhausted, Conflict, Unavailable
+from budgeting.catalog.errors import CapacityExhausted, Conflict, Unavailable, Unprocessable
 
 
 class QuotaExceeded(CapacityExhausted):
     code = "QUOTA_EXCEEDED"
     title = "Not enough capacity on an account"
+
+
+class PriceUnavailable(Unprocessable):
+    code = "PRICE_UNAVAILABLE"
+    title = "The model revision has no price in the currency of an account's spend limit"
 
 
 class StaleFence(Conflict):

@@ -16,6 +16,7 @@ from django.db.models import F, Q
 from django_fsm import FSMField, FSMModelMixin, transition
 
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.prices import cost
 from ledger.jsonfields import PackedJSONField
 
 
@@ -49,11 +50,19 @@ class CapacityAccount(models.Model):
     input_limit = models.BigIntegerField(null=True, blank=True, help_text="Empty means unlimited.")
     output_limit = models.BigIntegerField(null=True, blank=True, help_text="Empty means unlimited.")
     concurrency_limit = models.IntegerField(null=True, blank=True, help_text="Empty means unlimited.")
+    currency = models.CharField(
+        max_length=3, default="USD", help_text="ISO 4217 code of the spend limit and spend balances."
+    )
+    spend_limit = models.BigIntegerField(
+        null=True, blank=True, help_text="Micro-units of the currency per period; empty means unlimited."
+    )
     input_reserved = models.BigIntegerField(default=0)
     output_reserved = models.BigIntegerField(default=0)
     input_consumed = models.BigIntegerField(default=0)
     output_consumed = models.BigIntegerField(default=0)
     in_flight = models.IntegerField(default=0)
+    spend_reserved = models.BigIntegerField(default=0, help_text="Micro-units held.")
+    spend_consumed = models.BigIntegerField(default=0, help_text="Micro-units posted this period.")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -89,11 +98,20 @@ class CapacityAccount(models.Model):
                 name="account_balances_non_negative",
             ),
             models.CheckConstraint(
+                condition=Q(spend_reserved__gte=0) & Q(spend_consumed__gte=0),
+                name="account_spend_non_negative",
+            ),
+            models.CheckConstraint(
                 condition=(Q(input_limit__isnull=True) | Q(input_limit__gte=0))
                 & (Q(output_limit__isnull=True) | Q(output_limit__gte=0))
                 & (Q(concurrency_limit__isnull=True) | Q(concurrency_limit__gte=0)),
                 name="account_limits_non_negative",
             ),
+            models.CheckConstraint(
+                condition=Q(spend_limit__isnull=True) | Q(spend_limit__gte=0),
+                name="account_spend_limit_non_negative",
+            ),
+            models.CheckConstraint(condition=Q(currency__regex=r"^[A-Z]{3}$"), name="account_currency_iso"),
         ]
 
     def __str__(self) -> str:
@@ -110,7 +128,18 @@ class CapacityAccount(models.Model):
 
 
 # The balance columns of an account, in the order every statement and entry lists them.
-BALANCES = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")
+BALANCES = (
+    "input_reserved",
+    "output_reserved",
+    "input_consumed",
+    "output_consumed",
+    "in_flight",
+    "spend_reserved",
+    "spend_consumed",
+)
+MONEY_BALANCES = ("spend_reserved", "spend_consumed")
+"""Balances in the account's currency: a reservation moves them only on the accounts kept in its own
+currency (``ledger/statements.py``); an unpriced reservation moves none."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +170,7 @@ LIMITS = (
     Limit("input", "input_limit", ("input_reserved", "input_consumed")),
     Limit("output", "output_limit", ("output_reserved", "output_consumed")),
     Limit("concurrency", "concurrency_limit", ("in_flight",)),
+    Limit("spend", "spend_limit", MONEY_BALANCES),
 )
 
 
@@ -209,6 +239,24 @@ class Reservation(FSMModelMixin, models.Model):
     overrun = models.BigIntegerField(default=0)
     concurrency_held = models.BooleanField(default=False)
 
+    # Money, frozen at admission: the price version used and its figures in micro-units per million tokens;
+    # the amounts in micro-units of ``currency``. Empty currency: no price, no money moves.
+    price = models.ForeignKey(
+        "budgeting.Price", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    currency = models.CharField(max_length=3, blank=True)
+    input_price = models.BigIntegerField(default=0)
+    cached_input_price = models.BigIntegerField(default=0)
+    output_price = models.BigIntegerField(default=0)
+    input_cached = models.BigIntegerField(
+        default=0, help_text="Input tokens the provider reported as cached."
+    )
+    spend_reserved = models.BigIntegerField(default=0, help_text="Held at admission and by top-ups.")
+    spend_captured = models.BigIntegerField(default=0, help_text="Posted out of the hold.")
+    spend_remaining = models.BigIntegerField(default=0, help_text="Still held.")
+    spend_released = models.BigIntegerField(default=0, help_text="Given back (released or refunded).")
+    spend_overrun = models.BigIntegerField(default=0, help_text="Posted beyond the hold.")
+
     provider_request_id = models.CharField(max_length=200, blank=True)
     provider_adapter = models.CharField(
         max_length=24, blank=True, help_text="The adapter the pool named when the call was dispatched."
@@ -268,6 +316,19 @@ class Reservation(FSMModelMixin, models.Model):
                     captured=F("output_reserved") + F("top_ups") - F("remaining") - F("released"),
                 ),
                 name="reservation_output_conservation",
+            ),
+            models.CheckConstraint(
+                condition=Q(spend_reserved__gte=0)
+                & Q(spend_captured__gte=0)
+                & Q(spend_remaining__gte=0)
+                & Q(spend_released__gte=0)
+                & Q(spend_overrun__gte=0)
+                & Q(input_cached__gte=0),
+                name="reservation_spend_non_negative",
+            ),
+            models.CheckConstraint(
+                condition=Q(spend_reserved=F("spend_captured") + F("spend_remaining") + F("spend_released")),
+                name="reservation_spend_conservation",
             ),
             models.CheckConstraint(condition=Q(fence__gte=1), name="reservation_fence_positive"),
             # Per tenant, not per pool: pools do not map one-to-one to provider accounts (two pools may bill
@@ -359,9 +420,23 @@ class Reservation(FSMModelMixin, models.Model):
         self.input_consumed = 0
         self._release_rest()
 
+    def consumed_cost(self) -> int:
+        """What the consumed tokens cost at the prices frozen on the reservation, in micro-units: uncached
+        input, cached input (as far as the provider reported it) and output with overrun, each rounded up."""
+        if not self.currency:
+            return 0
+        cached = min(self.input_cached, self.input_consumed)
+        return (
+            cost(self.input_consumed - cached, self.input_price)
+            + cost(cached, self.cached_input_price)
+            + cost(self.captured + self.overrun, self.output_price)
+        )
+
     def _release_rest(self) -> None:
         self.released += self.remaining
         self.remaining = 0
+        self.spend_released += self.spend_remaining
+        self.spend_remaining = 0
 
 
 class Hold(models.Model):
@@ -400,6 +475,8 @@ class LedgerEntry(models.Model):
     input_consumed = models.BigIntegerField(default=0)
     output_consumed = models.BigIntegerField(default=0)
     in_flight = models.IntegerField(default=0)
+    spend_reserved = models.BigIntegerField(default=0)
+    spend_consumed = models.BigIntegerField(default=0)
     period_start = models.DateTimeField()
     reason = models.CharField(max_length=300, blank=True)
     created_by = models.CharField(max_length=150, blank=True)

@@ -13,6 +13,7 @@ from django.db import connection, transaction
 from django.db.models import OuterRef, Q, Sum
 from django.db.models.functions import JSONObject
 
+from budgeting.catalog.prices import from_micro
 from ledger.models import (
     CapacityAccount,
     Hold,
@@ -84,6 +85,30 @@ def _at(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "at": datetime.fromisoformat(row["at"]).isoformat()}
 
 
+def spend_detail(reservation: Reservation) -> dict[str, Any] | None:
+    """The money of a reservation: the prices frozen on it (per million tokens) and its amounts, as decimal
+    text in its currency (exact; no float touches money); None when it was admitted without a price."""
+    r = reservation
+    if not r.currency:
+        return None
+    return {
+        "currency": r.currency,
+        "priceId": r.price_id,
+        "pricePerMillion": {
+            "input": str(from_micro(r.input_price)),
+            "cachedInput": str(from_micro(r.cached_input_price)),
+            "output": str(from_micro(r.output_price)),
+        },
+        "cachedInputTokens": r.input_cached,
+        "reserved": str(from_micro(r.spend_reserved)),
+        "captured": str(from_micro(r.spend_captured)),
+        "remaining": str(from_micro(r.spend_remaining)),
+        "released": str(from_micro(r.spend_released)),
+        "overrun": str(from_micro(r.spend_overrun)),
+        "cost": str(from_micro(r.spend_captured + r.spend_overrun)),
+    }
+
+
 def reservation_detail(reservation: Reservation) -> dict[str, Any]:
     """The GET /reservations/{id} body (SPEC §8), camelCase, of a reservation read by ``reservation_for``."""
     return {
@@ -112,6 +137,7 @@ def reservation_detail(reservation: Reservation) -> dict[str, Any]:
             "overrun": reservation.overrun,
         },
         "concurrencyHeld": reservation.concurrency_held,
+        "spend": spend_detail(reservation),
         "providerRequestId": reservation.provider_request_id or None,
         "admittedDigest": reservation.admitted_digest,
         "lease": {
@@ -185,14 +211,24 @@ def leak_filter(now: datetime) -> Q:
     """Reservations holding capacity they should not: the leak definition of ``ledger.selectors.audit``
     (a terminal reservation still holding output or concurrency; a dispatched call whose lease expired and
     that is not RECONCILING), as one query."""
-    terminal = Q(state__in=[State.SETTLED, State.REJECTED]) & (Q(concurrency_held=True) | Q(remaining__gt=0))
+    terminal = Q(state__in=[State.SETTLED, State.REJECTED]) & (
+        Q(concurrency_held=True) | Q(remaining__gt=0) | Q(spend_remaining__gt=0)
+    )
     expired = Q(
         state__in=[State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED], lease_expires_at__lt=now
     )
     return terminal | expired
 
 
-BALANCE_FIELDS = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")
+BALANCE_FIELDS = (
+    "input_reserved",
+    "output_reserved",
+    "input_consumed",
+    "output_consumed",
+    "in_flight",
+    "spend_reserved",
+    "spend_consumed",
+)
 TERMINAL = {State.SETTLED, State.REJECTED}
 
 
@@ -261,7 +297,14 @@ def _audit(
         r = reservation
         if r.captured + r.remaining + r.released != r.output_reserved + r.top_ups:
             report.violations.append(f"reservation {r.pk}: output conservation broken")
-        if r.state in TERMINAL and (r.concurrency_held or r.remaining):
+        if r.spend_captured + r.spend_remaining + r.spend_released != r.spend_reserved:
+            report.violations.append(f"reservation {r.pk}: money conservation broken")
+        if r.spend_captured + r.spend_overrun != r.consumed_cost():
+            report.violations.append(
+                f"reservation {r.pk}: posted {r.spend_captured + r.spend_overrun} micro-{r.currency} but its "
+                f"tokens cost {r.consumed_cost()} at its frozen prices"
+            )
+        if r.state in TERMINAL and (r.concurrency_held or r.remaining or r.spend_remaining):
             report.leaks.append(f"reservation {r.pk}: {r.state} still holds capacity")
         if (
             now is not None

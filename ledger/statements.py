@@ -9,6 +9,11 @@ Two statements move balances, both locking the accounts in ascending id order (t
     of every account, the holds and one HOLD entry per account): the ONE shape of a hold;
   - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows.
 
+Money (``MONEY_BALANCES``) moves only on the accounts kept in the reservation's currency: each statement
+scales a row's money by ``money``, 1 on such an account and 0 elsewhere, before it adds, checks or records
+it; and a hold is refused by an account with a spend limit in another currency (or when the reservation has
+no price): no call is admitted free against a money limit.
+
 The limits predicate (``within_limits``): after adding a delta row's balances to an account row, every limit
 of ``ledger.models.LIMITS`` holds, or the delta does not increase that limit's used sum (a release is never
 refused). Read Committed re-checks the WHERE clause on the latest row version, so two holds never both pass
@@ -34,7 +39,7 @@ from django.db import DatabaseError, connection
 
 from budgeting.db.cursor import prepared_cursor
 from ledger.errors import HoldRefused
-from ledger.models import BALANCES, LIMITS, CapacityAccount
+from ledger.models import BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
 
 # The SQLSTATE of ledger_require_holds (migration ledger 0009): a hold refused by an account's limits.
 REFUSED_SQLSTATE = "TB429"
@@ -65,6 +70,16 @@ def _types() -> dict[str, str]:
 
 
 _ADD = ", ".join(f"{column} = a.{column} + {{delta}}.{column}" for column in BALANCES)
+
+
+def _scaled(row: str, factor: str) -> str:
+    """The balance columns of ``row`` with its money multiplied by ``factor`` (1 or 0), named as balances."""
+    return ", ".join(
+        f"{row}.{column} * {factor} AS {column}" if column in MONEY_BALANCES else f"{row}.{column}"
+        for column in BALANCES
+    )
+
+
 _ENTRY_COLUMNS = (
     f"account_id, reservation_id, kind, {', '.join(BALANCES)}, period_start, reason, created_by, created_at"
 )
@@ -81,21 +96,23 @@ def _hold_sql(reservation_sql: str, record_sql: str | None) -> str:
     # hot rows stay locked for the holds, the entries and the commit only, and a replayed Idempotency-Key
     # fails before taking any lock.
     return f"""WITH {record}reservation AS ({reservation_sql} RETURNING id)
-    , m AS (SELECT {amounts}, %s::uuid AS rid, %s::text AS reason)
+    , m AS (SELECT {amounts}, %s::uuid AS rid, %s::text AS reason, %s::text AS currency)
     , ordered AS (
-        SELECT id FROM ledger_capacityaccount
+        SELECT id, (currency = (SELECT currency FROM m))::int AS money FROM ledger_capacityaccount
          WHERE id = ANY(%s::bigint[]) AND EXISTS (SELECT FROM reservation)
          ORDER BY id FOR UPDATE)
+    , d AS (SELECT ordered.id, {_scaled("m", "ordered.money")} FROM ordered, m)
     , held AS (
-        UPDATE ledger_capacityaccount AS a SET {_ADD.format(delta="m")}
-          FROM ordered, m
-         WHERE a.id = ordered.id AND {within_limits("a", "m")}
+        UPDATE ledger_capacityaccount AS a SET {_ADD.format(delta="d")}
+          FROM d, m
+         WHERE a.id = d.id AND {within_limits("a", "d")}
+           AND (a.spend_limit IS NULL OR a.currency = m.currency)
         RETURNING a.id, a.period_start)
     , holds AS (INSERT INTO ledger_hold (reservation_id, account_id) SELECT m.rid, held.id FROM held, m)
     , entries AS (
         INSERT INTO ledger_ledgerentry ({_ENTRY_COLUMNS})
-        SELECT held.id, m.rid, 'HOLD', {_columns("m", BALANCES)}, held.period_start, m.reason, '',
-               now() FROM held, m)
+        SELECT held.id, m.rid, 'HOLD', {_columns("d", BALANCES)}, held.period_start, m.reason, '',
+               now() FROM held JOIN d ON d.id = held.id, m)
     SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held"""
 
 
@@ -107,10 +124,12 @@ def hold(
     record: tuple[str, list[Any]] | None = None,
     *,
     reason: str = "",
+    currency: str = "",
 ) -> int | None:
     """Write the reservation's row (``reservation``: its INSERT, or its UPDATE when it was queued) and hold
     ``amounts`` (balance column -> amount) on every account, each conditional on ``within_limits``, with its
-    holds and one HOLD entry per account (saying ``reason``): ONE statement. ``record`` (an INSERT …
+    holds and one HOLD entry per account (saying ``reason``): ONE statement. The money of ``amounts`` is in
+    ``currency`` (empty: the reservation has no price). ``record`` (an INSERT …
     RETURNING id that the reservation's statement reads as ``(SELECT id FROM record)``) is run first;
     returns its id.
 
@@ -125,6 +144,7 @@ def hold(
         *(amounts.get(column, 0) for column in BALANCES),
         reservation_id,
         reason,
+        currency,
         wanted,
         wanted,
     ]
@@ -153,15 +173,25 @@ def _moves_sql(rows: int, checked: bool) -> str:
     types = _types()
     row = ", ".join(["%s::int", "%s::bigint", "%s", "%s", *(f"%s::{types[c]}" for c in BALANCES)])
     values = ", ".join([f"({row})"] * rows)
-    sums = ", ".join(f"sum({column}) AS {column}" for column in BALANCES)
+    sums = ", ".join(
+        f"sum(m.{column}) * l.money AS {column}"
+        if column in MONEY_BALANCES
+        else f"sum(m.{column}) AS {column}"
+        for column in BALANCES
+    )
     limits = f"AND {within_limits('a', 's')}" if checked else ""
+    nonmoney = [column for column in BALANCES if column not in MONEY_BALANCES]
+    money = ", ".join(f"m.{column} * l.money" for column in MONEY_BALANCES)
+    zeros = ", ".join(["0"] * len(BALANCES))
     # Accounts locked in ascending id order, balances moved by the sum of the moves, one entry per move and
     # account (in the moves' order, so entry ids follow what happened).
     return f"""m(ord, account_id, kind, reason, {", ".join(BALANCES)}) AS (VALUES {values}),
 locked AS (
-    SELECT id, period_start FROM ledger_capacityaccount
+    SELECT id, period_start, (currency = %s::text)::int AS money FROM ledger_capacityaccount
      WHERE id IN (SELECT account_id FROM m) ORDER BY id FOR UPDATE),
-s AS (SELECT account_id, {sums} FROM m GROUP BY account_id),
+s AS (
+    SELECT m.account_id, {sums} FROM m JOIN locked AS l ON l.id = m.account_id
+     GROUP BY m.account_id, l.money),
 upd AS (
     UPDATE ledger_capacityaccount AS a SET {_ADD.format(delta="s")}
       FROM s JOIN locked AS l ON l.id = s.account_id
@@ -169,9 +199,11 @@ upd AS (
     RETURNING a.id),
 ent AS (
     INSERT INTO ledger_ledgerentry ({_ENTRY_COLUMNS})
-    SELECT m.account_id, %s, m.kind, {_columns("m", BALANCES)}, l.period_start, m.reason,
+    SELECT m.account_id, %s, m.kind, {_scaled("m", "l.money")}, l.period_start, m.reason,
            '', now()
-      FROM m JOIN locked AS l ON l.id = m.account_id ORDER BY m.ord, m.account_id)"""
+      FROM m JOIN locked AS l ON l.id = m.account_id
+     WHERE ({_columns("m", nonmoney)}, {money}) <> ({zeros})
+     ORDER BY m.ord, m.account_id)"""
 
 
 def move_balances(
@@ -180,18 +212,20 @@ def move_balances(
     reservation_id: Any,
     *,
     checked: bool = False,
+    currency: str = "",
 ) -> set[int]:
     """Run ``writes`` (a reservation's UPDATE, new rows' INSERTs) and ``moves`` — rows of (order, account id,
     kind, reason, one amount per balance of ``BALANCES``) — in ONE statement; returns the accounts whose
     balances moved. With ``checked`` an account moves only where ``within_limits`` holds (the caller rolls
-    its transaction back when one is missing)."""
+    its transaction back when one is missing). The moves' money is in ``currency``: an entry that would move
+    nothing on an account of another currency is not written."""
     ctes = [f"w{n} AS ({sql})" for n, (sql, _) in enumerate(writes)]
     params: list[Any] = [value for _, values in writes for value in values]
     moved = "SELECT 1 WHERE false"
     if moves:
         ctes.append(_moves_sql(len(moves), checked))
         params.extend(value for row in moves for value in row)
-        params.append(reservation_id)
+        params.extend([currency, reservation_id])
         moved = "SELECT id FROM upd"
     with connection.cursor() as cursor:
         cursor.execute(

@@ -31,6 +31,7 @@ from budgeting.catalog.models import ModelPool
 from budgeting.db.cursor import db_now as read_db_now
 from ledger.models import Reservation, State
 from ledger.services import settlement
+from reconciliation.costs import compare_bucket_costs, compare_request_costs
 from reconciliation.models import (
     BilledCost,
     BilledRequest,
@@ -157,6 +158,7 @@ def import_export(*, text: str, fmt: BillingExportFormat, source: str, now: date
             fresh, seen_again = _store_requests(billing_import, requests, findings)
             _store_buckets(billing_import, buckets, findings)
             _store_costs(billing_import, costs)
+            findings += compare_bucket_costs(billing_import, costs)
             BillingFinding.objects.bulk_create(findings)
     except _AlreadyImported:
         return ImportResult(BillingImport.objects.get(content_sha256=digest), created=False)
@@ -164,6 +166,7 @@ def import_export(*, text: str, fmt: BillingExportFormat, source: str, now: date
     settled_findings = _settle(billing_import, fresh, now)
     settled_findings += [f for f in _settle(billing_import, seen_again, now) if f.kind == FindingKind.SETTLED]
     _report_missing(billing_import, requests, settled_findings, deferred=live)
+    settled_findings += compare_request_costs(billing_import, requests)
     BillingFinding.objects.bulk_create(settled_findings)
     billing_import.settled = sum(1 for f in settled_findings if f.kind == FindingKind.SETTLED)
     billing_import.findings_count = billing_import.findings.count()

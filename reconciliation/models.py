@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.db import models
 
 
@@ -108,6 +110,49 @@ class BilledCost(models.Model):
         return f"{self.line_item or 'total'} {self.bucket_start:%Y-%m-%d}: {self.amount} {self.currency}"
 
 
+class CostDimension(models.TextChoices):
+    MODEL = "MODEL", "Model revision"
+    ACCOUNT = "ACCOUNT", "Capacity account"
+
+
+class CostDrift(models.Model):
+    """Billed cost next to our settled cost (what the ledger posted at the prices frozen on the reservations)
+    for one model revision or one capacity account, in one currency: per request of an import that bills
+    each request's cost (the bucket is then the import's requests), or per UTC bucket of a cost report."""
+
+    billing_import = models.ForeignKey(BillingImport, on_delete=models.PROTECT, related_name="cost_drifts")
+    dimension = models.CharField(max_length=8, choices=CostDimension.choices)
+    key = models.CharField(max_length=200, help_text="The model revision's name or the account's label.")
+    account = models.ForeignKey(
+        "ledger.CapacityAccount", on_delete=models.PROTECT, null=True, blank=True, related_name="+"
+    )
+    currency = models.CharField(max_length=3)
+    bucket_start = models.DateTimeField(null=True, blank=True)
+    bucket_end = models.DateTimeField(null=True, blank=True)
+    requests = models.PositiveIntegerField(default=0, help_text="Our reservations compared.")
+    billed = models.DecimalField(max_digits=20, decimal_places=8)
+    settled = models.DecimalField(max_digits=20, decimal_places=6)
+
+    class Meta:
+        ordering = ["billing_import", "dimension", "key"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["billing_import", "dimension", "key", "currency", "bucket_start"],
+                name="cost_drift_unique",
+                nulls_distinct=False,
+            )
+        ]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.dimension.lower()} {self.key}: billed {self.billed} {self.currency}, ours {self.settled}"
+        )
+
+    @property
+    def drift(self) -> Decimal:
+        return self.billed - self.settled
+
+
 class FindingKind(models.TextChoices):
     SETTLED = "SETTLED", "Settled a reservation at billed usage"
     MATCHED = "MATCHED", "Billed usage equals what we settled"
@@ -118,6 +163,7 @@ class FindingKind(models.TextChoices):
     AMBIGUOUS = "AMBIGUOUS", "Billed id names calls of several tenants (left for a person)"
     BAD_LINE = "BAD_LINE", "Line could not be read"
     BUCKET_DRIFT = "BUCKET_DRIFT", "Bucket totals differ from what we captured"
+    COST_DRIFT = "COST_DRIFT", "Billed cost differs from our settled cost"
 
 
 class BillingFinding(models.Model):

@@ -16,6 +16,7 @@ from typing import Any, Final, Literal
 
 from reconciliation.providers.exports import BUCKET_FIELDS, REQUEST_FIELDS
 from simulation.billing import BillingEntry
+from simulation.provider_shapes import PRICES
 
 ExportFormat = Literal["csv", "jsonl"]
 ExportGranularity = Literal["request", "bucket"]
@@ -99,6 +100,9 @@ def _request_row(row: BillingEntry) -> dict[str, Any]:
         "input_tokens": row.prompt_tokens,
         "output_tokens": row.completion_tokens,
         "start_time": format_timestamp(row.started_at),
+        # What the simulated provider charged, at the prices its Costs API charges.
+        "cost": str(row.prompt_tokens * PRICES["input"] + row.completion_tokens * PRICES["output"]),
+        "currency": "USD",
     }
 
 

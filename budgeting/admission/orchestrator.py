@@ -443,6 +443,7 @@ def _admit(
         queue_deadline_seconds=r.queue_deadline_seconds,
         request_body={"decisionBody": body},
         provider_request_id=request.provider_request_id or "",
+        price=caller.snapshot.price(_model_used(ctx, decision), caller.db_now),
     )
     try:
         with tracing.span("admission.reserve") as span:

@@ -76,6 +76,7 @@ class DispatchIn(FenceIn):
 class UsageIn(FenceIn):
     usageEventId = identifier()
     inputTokens = tokens(required=False, allow_null=True)
+    cachedInputTokens = tokens(required=False, allow_null=True)
     outputTokens = tokens()
     final = StrictBoolean()
 
@@ -364,6 +365,29 @@ class ManifestSummaryOut(serializers.Serializer):
     inputTokens = serializers.IntegerField(allow_null=True)
 
 
+class PricesOut(serializers.Serializer):
+    input = serializers.DecimalField(max_digits=14, decimal_places=6)
+    cachedInput = serializers.DecimalField(max_digits=14, decimal_places=6)
+    output = serializers.DecimalField(max_digits=14, decimal_places=6)
+
+
+class SpendOut(serializers.Serializer):
+    """Money as decimal text of ``currency`` (stored in integer micro-units), at the prices frozen at
+    admission: ``reserved`` = ``captured`` + ``remaining`` + ``released``; ``cost`` = ``captured`` +
+    ``overrun``."""
+
+    currency = serializers.CharField()
+    priceId = serializers.IntegerField(allow_null=True)
+    pricePerMillion = PricesOut()
+    cachedInputTokens = serializers.IntegerField()
+    reserved = serializers.DecimalField(max_digits=20, decimal_places=6)
+    captured = serializers.DecimalField(max_digits=20, decimal_places=6)
+    remaining = serializers.DecimalField(max_digits=20, decimal_places=6)
+    released = serializers.DecimalField(max_digits=20, decimal_places=6)
+    overrun = serializers.DecimalField(max_digits=20, decimal_places=6)
+    cost = serializers.DecimalField(max_digits=20, decimal_places=6)
+
+
 class ReservationOut(serializers.Serializer):
     """A reservation (SPEC §8): what it holds, what was used, its lease, events, ledger entries and holds."""
 
@@ -381,6 +405,7 @@ class ReservationOut(serializers.Serializer):
     input = InputOut()
     output = OutputOut()
     concurrencyHeld = serializers.BooleanField()
+    spend = SpendOut(allow_null=True)
     providerRequestId = serializers.CharField(allow_null=True)
     admittedDigest = serializers.CharField(allow_null=True, allow_blank=True)
     lease = LeaseOut()

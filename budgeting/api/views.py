@@ -197,11 +197,15 @@ class AdmissionView(TenantScopedView):
         summary="Admit a model call",
         description=(
             "Counts the request's components with the model's tokenizer, walks the policy's ladder "
-            "(degrading the request if it must) and, in ENFORCE mode, reserves input, output and concurrency "
-            "on every account that holds it, recording a replayable manifest. Send the answered `payload` to "
-            "the provider, then report dispatch and usage. The same Idempotency-Key with the same request "
+            "(degrading the request if it must) and, in ENFORCE mode, reserves input, output, spend (priced"
+            " at the model revision's price in force, frozen on the reservation) and concurrency on every "
+            "account that holds it, recording a replayable manifest. Send the answered `payload` to the "
+            "provider, then report dispatch and usage. The same Idempotency-Key with the same request "
             "answers the first answer again. A request that cannot fit is 422 CONTEXT_BUDGET_EXCEEDED, no "
-            "capacity 429 with Retry-After."
+            "capacity 429 QUOTA_EXCEEDED with Retry-After (its `dimension` is input, output, concurrency or"
+            " spend, with `requested` and `available`; for spend in micro-units, with `currency`, "
+            "`requestedAmount` and `availableAmount`), a spend limit in a currency the model revision has "
+            "no price in 422 PRICE_UNAVAILABLE."
         ),
         parameters=[
             OpenApiParameter(
@@ -351,6 +355,7 @@ class UsageView(_LifecycleView):
             output_tokens=body["outputTokens"],
             input_tokens=body.get("inputTokens"),
             final=body["final"],
+            cached_input_tokens=body.get("cachedInputTokens"),
         )
         reservation, applied = lifecycle.record_usage(
             reservation_id=rid,

@@ -26,7 +26,7 @@ from budgeting.backoffice.account_display import (
     limit_warnings,
     usage_bar,
 )
-from budgeting.backoffice.formats import CountField, count, signed
+from budgeting.backoffice.formats import CountField, count, signed, unit_price
 from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     ReasonForm,
@@ -43,6 +43,7 @@ from budgeting.backoffice.kit import (
 )
 from budgeting.backoffice.reports.spend import RUN_RATE_DAYS, account_spend
 from budgeting.catalog.models import TemporaryIncrease
+from budgeting.catalog.prices import from_micro
 from ledger.models import CapacityAccount, LedgerEntry
 from ledger.periods import period_start_for
 from ledger.services import limits
@@ -140,6 +141,10 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
         "pool",
         "period",
         "period_start",
+        "spend_limit_amount",
+        "spend_held",
+        "spend_posted",
+        "spend_available",
         "last_movement",
         "last_change",
     ]
@@ -155,6 +160,28 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[CapacityAccount]:
         return super().get_queryset(request).select_related("tenant", "task_class", "pool")
+
+    # Money is kept in micro-units of the account's currency; shown exactly (every micro-unit it has).
+    @admin.display(description="spend limit per period")
+    def spend_limit_amount(self, obj: CapacityAccount) -> str:
+        if obj.spend_limit is None:
+            return f"none (spend in {obj.currency} is tracked)"
+        return unit_price(from_micro(obj.spend_limit), obj.currency)
+
+    @admin.display(description="spend held by open reservations")
+    def spend_held(self, obj: CapacityAccount) -> str:
+        return unit_price(from_micro(obj.spend_reserved), obj.currency)
+
+    @admin.display(description="spend posted this period")
+    def spend_posted(self, obj: CapacityAccount) -> str:
+        return unit_price(from_micro(obj.spend_consumed), obj.currency)
+
+    @admin.display(description="spend available")
+    def spend_available(self, obj: CapacityAccount) -> str:
+        if obj.spend_limit is None:
+            return "unlimited"
+        left = max(obj.spend_limit - obj.spend_reserved - obj.spend_consumed, 0)
+        return unit_price(from_micro(left), obj.currency)
 
     @admin.display(description="account", ordering="id")
     def label(self, obj: CapacityAccount) -> SafeString:
@@ -397,6 +424,7 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
         "reason",
     ]
     list_filter = [("ended_at", admin.EmptyFieldListFilter), "expires_at"]
+    change_list_template = "admin/tokenbudget/wide_change_list.html"
     search_fields = ["reason", "created_by", "account__tenant__slug", "account__pool__slug"]
     actions = ["revoke", "end_expired"]
     list_select_related = ["account__tenant", "account__task_class", "account__pool"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from budgeting.catalog.models import (
     Tenant,
     Tokenizer,
 )
+from budgeting.catalog.prices import add_price
 from budgeting.catalog.snapshot import current as current_snapshot
 from budgeting.catalog.tokenizer_assets import sha256_file
 from budgeting.provisioning.document import ENV_NAME
@@ -432,8 +433,26 @@ class ServiceClientAdmin(AuditedAdmin[ServiceClient]):
         )
 
 
+class PriceForm(AuditedForm):
+    def clean_effective_from(self) -> datetime:
+        value: datetime = self.cleaned_data["effective_from"]
+        # "Now" as the form was checked: a start typed as the page's pre-filled now (a minute ago) means now.
+        self.checked_at = timezone.now()
+        if value < self.checked_at - timedelta(minutes=1):
+            raise forms.ValidationError(
+                "A price cannot start in the past: it would re-price admissions already made. "
+                "A correction is a new price from now on."
+            )
+        return max(value, self.checked_at)
+
+
 @admin.register(Price)
 class PriceAdmin(AuditedAdmin[Price]):
+    """Prices are added, never edited (a correction is a new price from now on): the add form writes
+    through ``catalog.prices.add_price``, and a saved price is read-only here (and, once an admission used
+    it, in the database)."""
+
+    form = PriceForm
     list_display = [
         "model_revision",
         "effective_from",
@@ -458,6 +477,32 @@ class PriceAdmin(AuditedAdmin[Price]):
         "effective_from",
         "currency",
         "input_per_million",
+        "cached_input_per_million",
         "output_per_million",
         "note",
     ]
+
+    def has_change_permission(self, request: HttpRequest, obj: Price | None = None) -> bool:
+        return obj is None and super().has_change_permission(request, obj)
+
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        return {**super().get_changeform_initial_data(request), "effective_from": timezone.now()}
+
+    def save_model(self, request: HttpRequest, obj: Price, form: Any, change: bool) -> None:
+        price = add_price(
+            model_revision=obj.model_revision,
+            currency=obj.currency,
+            input_per_million=obj.input_per_million,
+            output_per_million=obj.output_per_million,
+            cached_input_per_million=obj.cached_input_per_million,
+            effective_from=obj.effective_from,
+            note=obj.note,
+            actor=actor(request),
+            reason=form.cleaned_data["change_reason"],
+            now=form.checked_at,
+        )
+        obj.pk = price.pk
+        obj.created_at = price.created_at
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        """Nothing: ``add_price`` wrote the change-log entry with the price."""

@@ -37,6 +37,7 @@ class ChangeRecordAdmin(ReadOnlyAdmin[ChangeRecord]):
     list_filter = ["action", "actor_username", "target_type"]
     search_fields = ["target_repr", "reason", "actor_username", "target_id"]
     date_hierarchy = "at"
+    change_list_template = "admin/tokenbudget/wide_change_list.html"
     fields = ["at", "actor_username", "action", "target", "reason", "changes"]
 
     @admin.display(description="target")

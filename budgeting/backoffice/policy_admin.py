@@ -352,6 +352,7 @@ class PolicyVersionAdmin(AuditedAdmin[PolicyVersion]):
 @admin.register(PolicyAlias)
 class PolicyAliasAdmin(ReadOnlyAdmin[PolicyAlias]):
     list_display = ["name", "version", "previous", "effective_cap", "global_cap_floor", "updated_at"]
+    change_list_template = "admin/tokenbudget/wide_change_list.html"
     fields = ["name", "version", "previous", "effective_cap", "global_cap_floor", "updated_at"]
     change_form_template = "admin/budgeting/policyalias/change_form.html"
 

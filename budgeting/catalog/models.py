@@ -345,7 +345,9 @@ class ChangeRecord(models.Model):
 class Price(models.Model):
     """The price of a model revision from ``effective_from`` until the next row's ``effective_from``.
 
-    One row per (model revision, start) makes overlapping periods impossible by construction.
+    One row per (model revision, start) makes overlapping periods impossible by construction. A price an
+    admission used is immutable and a new one cannot start before an admission already made (triggers of
+    migration budgeting 0017): a correction is a new row effective from now (``catalog.prices.add_price``).
     """
 
     model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="prices")
@@ -357,6 +359,13 @@ class Price(models.Model):
     output_per_million = models.DecimalField(
         max_digits=14, decimal_places=6, help_text="Price of one million output tokens."
     )
+    cached_input_per_million = models.DecimalField(
+        max_digits=14,
+        decimal_places=6,
+        null=True,
+        blank=True,
+        help_text="Price of one million cached input tokens; empty means the input price.",
+    )
     note = models.CharField(max_length=200, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -365,7 +374,9 @@ class Price(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["model_revision", "effective_from"], name="price_unique_start"),
             models.CheckConstraint(
-                condition=Q(input_per_million__gte=0) & Q(output_per_million__gte=0),
+                condition=Q(input_per_million__gte=0)
+                & Q(output_per_million__gte=0)
+                & (Q(cached_input_per_million__isnull=True) | Q(cached_input_per_million__gte=0)),
                 name="price_non_negative",
             ),
             models.CheckConstraint(condition=Q(currency__regex=r"^[A-Z]{3}$"), name="price_currency_iso"),

@@ -27,11 +27,13 @@ from budgeting.catalog.models import (
     ModelPool,
     ModelRevision,
     PolicyAlias,
+    Price,
     ServiceClient,
     TaskClass,
     Tenant,
     Tokenizer,
 )
+from budgeting.catalog.prices import FrozenPrice, FrozenPriceAt, price_in_force
 from budgeting.catalog.tokens import note_use
 from budgeting.db.cursor import prepared_cursor, this_connection
 from ladder.counting import CountingUnavailable, SegmentCounter, UpperBoundRule
@@ -142,6 +144,8 @@ class Snapshot:
     """The file name and tokenizer family of each provisioned digest."""
     policy: Policy | None
     global_cap_floor: int | None
+    prices: dict[int, list[FrozenPriceAt]] = field(default_factory=dict)
+    """Per model revision id, its price versions by start (a new price bumps the catalog version)."""
     _resolved: dict[tuple[str, str, str], Resolved] = field(default_factory=dict)
 
     def caller(self, token_hash: str, db_now: datetime) -> Caller | None:
@@ -203,6 +207,10 @@ class Snapshot:
             queue_deadline_seconds=task_policy.queue.deadline_seconds or tc.queue_deadline_seconds,
         )
 
+    def price(self, model: ModelRevision, at: datetime) -> FrozenPrice | None:
+        """The model revision's price in force at ``at`` (the database clock of the admission), or None."""
+        return price_in_force(self.prices.get(model.pk, []), at)
+
     def counter_for(self, spec: ModelSpec) -> SegmentCounter:
         """The tokenizer a model spec names, read as its family says (loaded once per process). Raises
         CountingUnavailable when the file is missing or its bytes are not the provisioned digest (a swapped
@@ -242,6 +250,9 @@ def _load(version: int | None) -> Snapshot:
     ):
         model_pools.setdefault(name, set()).add(pool_id)
     alias = PolicyAlias.objects.select_related("version").filter(name=ACTIVE_ALIAS).first()
+    prices: dict[int, list[FrozenPriceAt]] = {}
+    for price in Price.objects.order_by("model_revision_id", "effective_from"):
+        prices.setdefault(price.model_revision_id, []).append((price.effective_from, FrozenPrice.of(price)))
     return Snapshot(
         version=version,
         tokens=tokens,
@@ -256,6 +267,7 @@ def _load(version: int | None) -> Snapshot:
         },
         policy=None if alias is None else _parsed(json.dumps(alias.version.document, sort_keys=True)),
         global_cap_floor=None if alias is None else alias.global_cap_floor,
+        prices=prices,
     )
 
 

@@ -48,6 +48,7 @@ from budgeting.observability.metrics import (
 )
 from ledger.models import Reservation, State
 from ledger.selectors import CONTEXT_OVERFLOW_PATTERN, leak_filter
+from reconciliation.models import CostDrift
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class DatabaseCollector(Collector):
         yield self._leaks(now)
         yield from self._backlog(now)
         yield from self._quality()
+        yield from self._cost_drift()
         yield from self._counter_drift()
 
     def _count_methods(self) -> Metric:
@@ -241,6 +243,35 @@ class DatabaseCollector(Collector):
         oldest.add_metric([], max(ages, default=0.0))
         yield count
         yield oldest
+
+    def _cost_drift(self) -> Iterator[Metric]:
+        """The latest comparison of billed and settled cost per model revision and per account (Prometheus
+        values are floats: the exact figures are the CostDrift rows)."""
+        labels = ["dimension", "key", "currency"]
+        billed = GaugeMetricFamily(
+            "tokenbudget_billed_cost", "Billed cost in the latest import that compared it.", labels=labels
+        )
+        settled = GaugeMetricFamily(
+            "tokenbudget_settled_cost",
+            "Our settled cost (at the prices frozen on the reservations) for the same requests.",
+            labels=labels,
+        )
+        drift = GaugeMetricFamily(
+            "tokenbudget_billed_cost_drift",
+            "Billed minus settled cost (positive: billed more).",
+            labels=labels,
+        )
+        latest = CostDrift.objects.order_by(
+            "dimension", "key", "currency", "-billing_import_id", "-id"
+        ).distinct("dimension", "key", "currency")
+        for row in latest:
+            names = [row.dimension.lower(), row.key, row.currency]
+            billed.add_metric(names, float(row.billed))
+            settled.add_metric(names, float(row.settled))
+            drift.add_metric(names, float(row.drift))
+        yield billed
+        yield settled
+        yield drift
 
     def _quality(self) -> Iterator[Metric]:
         outcomes = CounterMetricFamily(

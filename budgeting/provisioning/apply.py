@@ -35,9 +35,9 @@ from budgeting.catalog.policies import activate
 from budgeting.provisioning.document import read_document
 from budgeting.provisioning.models import ProvisionedValue
 from budgeting.provisioning.plan import FieldPlan, ObjectPlan, Outcome, Plan, make_plan
-from budgeting.provisioning.source import Source
+from budgeting.provisioning.source import ProvisioningError, Source
 from budgeting.provisioning.wanted import NATURAL_KEYS, related_model
-from ledger.models import CapacityAccount
+from ledger.models import CapacityAccount, Reservation
 from ledger.services.accounts import forget_account_cache
 from ledger.services.limits import LIMIT_FIELDS, set_account_limits
 
@@ -187,6 +187,11 @@ def _create(item: ObjectPlan, source: Source, now: datetime) -> None:
 
 def _update(item: ObjectPlan, fields: list[FieldPlan], source: Source, now: datetime) -> None:
     model = item.wanted.model
+    if model is Price and item.pk is not None and Reservation.objects.filter(price_id=item.pk).exists():
+        raise ProvisioningError(
+            f"prices[{item.wanted.label}]",
+            "admissions used this price: it cannot be changed; add a new price effective from now",
+        )
     obj = model._default_manager.get(pk=item.pk)
     names = tuple(f.name for f in fields)
     before = snapshot(obj, names)

@@ -34,8 +34,9 @@ from budgeting.catalog.models import (
     hash_token,
 )
 from budgeting.catalog.policies import document_errors
+from budgeting.catalog.prices import to_micro
 from budgeting.catalog.tokenizer_assets import pinned_sha256, sha256_file
-from budgeting.provisioning.prices import read_prices
+from budgeting.provisioning.prices import CURRENCY, money_amount, read_prices
 from budgeting.provisioning.source import ProvisioningError, Reader, items
 from budgeting.provisioning.wanted import Wanted, known, wanted
 from ladder.families import FAMILIES, TOKENIZER_FAMILIES
@@ -57,6 +58,21 @@ def _limits(r: Reader) -> list[tuple[str, str, Any]]:
             r.positive("concurrencyLimit", required=False, allow_zero=True),
         ),
     ]
+
+
+def _spend_limit(r: Reader) -> list[tuple[str, str, Any]]:
+    """An account's spend limit per period: decimal text (or a YAML number as written) of ``currency``,
+    kept in micro-units; absent means no money limit."""
+    currency = r.get("currency", str, "USD")
+    if not CURRENCY.fullmatch(currency):
+        raise ProvisioningError(
+            f"{r.path}.currency", f"must be a three-letter ISO code, e.g. USD, got {currency!r}"
+        )
+    limit = None
+    if r.data.get("spendLimit") is not None:
+        amount = money_amount(r, "spendLimit")
+        limit = to_micro(amount)
+    return [("currency", "currency", currency), ("spend_limit", "spendLimit", limit)]
 
 
 TOP_LEVEL = {
@@ -352,6 +368,8 @@ def _accounts(
                 "inputLimit",
                 "outputLimit",
                 "concurrencyLimit",
+                "spendLimit",
+                "currency",
             },
         )
         scope = r.choice("scope", {s.value for s in Scope})
@@ -362,7 +380,7 @@ def _accounts(
             lookup["task_class"] = r.ref("taskClass", task_classes, "task class")
         if scope == Scope.POOL:
             lookup["pool"] = r.ref("pool", pools, "model pool")
-        fields = _limits(r)
+        fields = [*_limits(r), *_spend_limit(r)]
         label = " ".join([scope, *(str(v) for k, v in lookup.items() if k != "scope" and v is not None)])
         on_create = {"period_start": period_start_for(fields[0][2], now)}
         out.append(wanted("account", label, CapacityAccount, lookup, fields, on_create))

@@ -25,7 +25,15 @@ def read_prices(doc: dict[str, Any], revisions: set[Any]) -> list[Wanted]:
         r = Reader(
             item,
             path,
-            {"modelRevision", "effectiveFrom", "currency", "inputPerMillion", "outputPerMillion", "note"},
+            {
+                "modelRevision",
+                "effectiveFrom",
+                "currency",
+                "inputPerMillion",
+                "cachedInputPerMillion",
+                "outputPerMillion",
+                "note",
+            },
         )
         revision = r.ref("modelRevision", revisions, "model revision")
         start = _instant(r, "effectiveFrom")
@@ -38,6 +46,13 @@ def read_prices(doc: dict[str, Any], revisions: set[Any]) -> list[Wanted]:
             ("currency", "currency", currency),
             ("input_per_million", "inputPerMillion", _amount(r, "inputPerMillion", "input_per_million")),
             ("output_per_million", "outputPerMillion", _amount(r, "outputPerMillion", "output_per_million")),
+            (
+                "cached_input_per_million",
+                "cachedInputPerMillion",
+                None
+                if r.data.get("cachedInputPerMillion") is None
+                else _amount(r, "cachedInputPerMillion", "cached_input_per_million"),
+            ),
             ("note", "note", r.get("note", str, "")),
         ]
         lookup = {"model_revision": revision, "effective_from": start}
@@ -82,6 +97,20 @@ def _amount(r: Reader, key: str, name: str) -> str:
     if len(Decimal(text).as_tuple().digits) > (field.max_digits or 0):
         raise ProvisioningError(f"{r.path}.{key}", f"has more than {field.max_digits} digits")
     return text
+
+
+def money_amount(r: Reader, key: str) -> Decimal:
+    """An amount of money of 0 or more with at most 6 decimal places (quoted text is exact; a YAML number
+    is read as it is written). Raises ProvisioningError naming the field."""
+    value = r.get(key, object, required=True)
+    amount = _decimal(value)
+    if amount is None or not amount.is_finite() or amount < 0:
+        raise ProvisioningError(
+            f"{r.path}.{key}", f'must be an amount of 0 or more, e.g. "5000", got {value!r}'
+        )
+    if amount != amount.quantize(Decimal("0.000001")):
+        raise ProvisioningError(f"{r.path}.{key}", "has more than 6 decimal places")
+    return amount
 
 
 def _decimal(value: object) -> Decimal | None:

@@ -12,8 +12,10 @@ from django.db import connection, transaction
 from django.db.models import Q
 
 from budgeting.catalog.models import ModelPool, TaskClass, Tenant
+from budgeting.catalog.prices import from_micro
 from ledger import locks
 from ledger.errors import (
+    PriceUnavailable,
     QuotaExceeded,
 )
 from ledger.models import (
@@ -140,18 +142,42 @@ def roll_over(*, account_id: int, now: datetime) -> bool:
             reason=f"period {account.period_start:%Y-%m-%d} closed",
             input_consumed=-account.input_consumed,
             output_consumed=-account.output_consumed,
+            spend_consumed=-account.spend_consumed,
         )
         CapacityAccount.objects.filter(pk=account.pk).update(period_start=start)
         return True
 
 
 def shortage(
-    account: CapacityAccount, *, input_tokens: int, output_tokens: int, concurrency: int
+    account: CapacityAccount,
+    *,
+    input_tokens: int,
+    output_tokens: int,
+    concurrency: int,
+    spend: int = 0,
+    currency: str | None = None,
 ) -> QuotaExceeded:
-    """The QuotaExceeded for an account that refused a hold: the first limit of ``LIMITS`` the hold breaks
-    on the account's balances now (``Limit.refuses``, the statements' predicate in Python)."""
+    """The problem of a refused hold: the first limit of ``LIMITS`` the hold breaks on the account's
+    balances now (``Limit.refuses``, the statements' predicate in Python), with what was requested and what
+    is available (money in micro-units, and as a decimal amount of the account's currency).
+
+    Raises PriceUnavailable when the account has a spend limit in another currency than the request's price
+    (or the request has none): the reserving statement refuses those too (its limit may have been set after
+    the account list was cached)."""
     fresh = CapacityAccount.objects.get(pk=account.pk)
-    added = {"input_reserved": input_tokens, "output_reserved": output_tokens, "in_flight": concurrency}
+    if fresh.spend_limit is not None and currency != fresh.currency:
+        raise PriceUnavailable(
+            f"{fresh.label} has a spend limit in {fresh.currency} and the model revision has "
+            + ("no price in force" if currency is None else f"its price in {currency}"),
+            account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
+            currency=fresh.currency,
+        )
+    added = {
+        "input_reserved": input_tokens,
+        "output_reserved": output_tokens,
+        "in_flight": concurrency,
+        "spend_reserved": spend,
+    }
     short = next((limit for limit in LIMITS if limit.refuses(fresh, added)), None)
     if short is None:
         # The balance moved between the refused UPDATE and this read: say so rather than name a dimension.
@@ -160,6 +186,23 @@ def shortage(
         dimension, requested = short.dimension, short.requested(added)
         available = max(getattr(fresh, short.limit) - short.usage(fresh), 0)
     retry_after = 1 if dimension in {"concurrency", "contended"} else 60
+    if dimension == "spend":
+        money = {
+            "currency": fresh.currency,
+            "requestedAmount": str(from_micro(requested)),
+            "availableAmount": str(from_micro(available)),
+        }
+        return QuotaExceeded(
+            f"{fresh.label}: spend needs {money['requestedAmount']} {fresh.currency}, "
+            f"{money['availableAmount']} available",
+            retry_after=retry_after,
+            account={"id": fresh.pk, "scope": fresh.scope, "label": fresh.label},
+            dimension=dimension,
+            requested=requested,
+            available=available,
+            unit="micro-" + fresh.currency,
+            **money,
+        )
     return QuotaExceeded(
         f"{fresh.label}: {dimension} needs {requested}, {available} available",
         retry_after=retry_after,

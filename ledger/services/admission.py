@@ -14,11 +14,12 @@ from django.db import IntegrityError, transaction
 
 from budgeting.catalog.errors import Conflict
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.prices import FrozenPrice
 from budgeting.db.cursor import db_now as read_db_now
 from budgeting.db.rows import RecordInsert
 from ledger import locks
-from ledger.errors import HoldRefused, IdempotencyConflict, QuotaExceeded
-from ledger.models import Reservation, State
+from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, QuotaExceeded
+from ledger.models import CapacityAccount, Reservation, State
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
 from ledger.services.postings import hold_new_reservation, hold_queued_reservation
 from ledger.services.retries import with_retries
@@ -48,6 +49,8 @@ class AdmissionSpec:
     provider_request_id: str = ""
     """When set, the admission also records the dispatch under this id (SPEC §5's dispatch, in the same
     statement): the gateway sends the admitted payload next, with no call to us in between."""
+    price: FrozenPrice | None = None
+    """The model revision's price in force at admission (the fallback model's for SMALLER_MODEL)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,18 @@ def find_by_idempotency_key(
 def _new_reservation(
     spec: AdmissionSpec, state: str, *, manifest_id: int | None, **fields: Any
 ) -> Reservation:
+    price = spec.price
+    if price is not None:
+        held = price.hold(spec.input_tokens, spec.output_tokens)
+        fields.update(
+            price_id=price.price_id,
+            currency=price.currency,
+            input_price=price.input,
+            cached_input_price=price.cached_input,
+            output_price=price.output,
+            spend_reserved=held,
+            spend_remaining=held,
+        )
     return Reservation(
         id=uuid.uuid4(),
         tenant=spec.tenant,
@@ -123,6 +138,19 @@ def _replay_of(spec: AdmissionSpec, error: IntegrityError) -> Admitted:
     return Admitted(earlier, replayed=True)
 
 
+def require_price(accounts: list[CapacityAccount], price: FrozenPrice | None) -> None:
+    """Raises PriceUnavailable when an account has a spend limit and the price is missing or in another
+    currency: a money limit never admits a call it cannot price."""
+    for account in accounts:
+        if account.spend_limit is not None and (price is None or price.currency != account.currency):
+            raise PriceUnavailable(
+                f"{account.label} has a spend limit in {account.currency} and the model revision has "
+                + ("no price in force" if price is None else f"its price in {price.currency}"),
+                account={"id": account.pk, "scope": account.scope, "label": account.label},
+                currency=account.currency,
+            )
+
+
 def reserve(
     *,
     spec: AdmissionSpec,
@@ -139,12 +167,15 @@ def reserve(
     all; the reservation references it.
     ``db_now`` is the database clock the lease is measured from (read now when not given).
 
+    Money is held with the tokens, at ``spec.price`` (frozen on the reservation), on the accounts kept in
+    its currency.
+
     Returns the new reservation (RESERVED, or DISPATCHED with ``spec.provider_request_id``), or a PROPOSED
     one when capacity is short and the task class queues (not dispatched: the gateway dispatches once the
     queue admits it), or the earlier reservation for the same idempotency key (replayed=True, nothing
     written).
-    Raises QuotaExceeded (nothing written), IdempotencyConflict, Conflict PROVIDER_REQUEST_ID_IN_USE, or
-    Contention after repeated deadlocks.
+    Raises QuotaExceeded (nothing written), PriceUnavailable, IdempotencyConflict, Conflict
+    PROVIDER_REQUEST_ID_IN_USE, or Contention after repeated deadlocks.
     """
     # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
     # common path of a new key one query shorter.
@@ -155,6 +186,7 @@ def reserve(
         now=now,
         catalog_version=catalog_version,
     )
+    require_price(accounts, spec.price)
 
     def attempt() -> Reservation:
         clock = db_now or read_db_now()
@@ -197,7 +229,12 @@ def reserve(
             raise provider_request_id_in_use(spec.provider_request_id) from None
     except ShortageSignal as signal:
         problem = shortage(
-            signal.account, input_tokens=spec.input_tokens, output_tokens=spec.output_tokens, concurrency=1
+            signal.account,
+            input_tokens=spec.input_tokens,
+            output_tokens=spec.output_tokens,
+            concurrency=1,
+            spend=0 if spec.price is None else spec.price.hold(spec.input_tokens, spec.output_tokens),
+            currency=None if spec.price is None else spec.price.currency,
         )
         if spec.queue:
             return _enqueue(spec, build_body, problem, record)

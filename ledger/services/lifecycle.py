@@ -31,7 +31,14 @@ from ledger.models import (
 from ledger.services import slots
 from ledger.services.accounts import ShortageSignal, shortage
 from ledger.services.admission import PROVIDER_ID_CONSTRAINT, provider_request_id_in_use
-from ledger.services.postings import Postings, capture, held_account_ids, settle
+from ledger.services.postings import (
+    Postings,
+    capture,
+    held_account_ids,
+    hold_top_up,
+    settle,
+    top_up_cost,
+)
 from ledger.services.retries import with_retries
 
 logger = logging.getLogger(__name__)
@@ -127,6 +134,7 @@ class Usage:
     output_tokens: int
     input_tokens: int | None
     final: bool
+    cached_input_tokens: int | None = None
 
 
 def record_usage(
@@ -150,6 +158,7 @@ def record_usage(
                 output_tokens=usage.output_tokens,
                 input_tokens=usage.input_tokens,
                 final=usage.final,
+                cached_input_tokens=usage.cached_input_tokens,
             )
             if usage.final:
                 settle(posts, reservation.complete, reason="final usage", now=now)
@@ -206,9 +215,8 @@ def top_up(
             account_ids = held_account_ids(reservation)
             posts = Postings(reservation, account_ids)
             posts.insert(TopUp(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens))
-            posts.move(EntryKind.TOP_UP, output_reserved=output_tokens)
-            reservation.top_ups += output_tokens
-            reservation.remaining += output_tokens
+            money = hold_top_up(reservation, output_tokens)
+            posts.move(EntryKind.TOP_UP, output_reserved=output_tokens, spend_reserved=money)
             # No look-up of the top-up id first: its unique index answers a repeat (one statement fewer).
             held = posts.flush(within_limits=True)
             short = next((a for a in account_ids if a not in held), None)
@@ -219,7 +227,15 @@ def top_up(
     try:
         return with_retries(attempt)
     except ShortageSignal as signal:
-        raise shortage(signal.account, input_tokens=0, output_tokens=output_tokens, concurrency=0) from None
+        reservation = Reservation.objects.get(pk=reservation_id)
+        raise shortage(
+            signal.account,
+            input_tokens=0,
+            output_tokens=output_tokens,
+            concurrency=0,
+            spend=top_up_cost(reservation, output_tokens),
+            currency=reservation.currency or None,
+        ) from None
     except (IntegrityError, _AlreadyDone) as outcome:
         earlier = (
             TopUp.objects.select_related("reservation")

@@ -14,6 +14,7 @@ from typing import Any
 from django.db import models, transaction
 from django.db.models import F, Sum
 
+from budgeting.catalog.prices import cost
 from budgeting.db.cursor import this_connection
 from budgeting.db.rows import RecordInsert, insert_sql, update_sql
 from ledger import locks, statements
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 class _Move:
     kind: str
     reason: str
-    # account id -> one amount per balance of ``ledger.models.BALANCES``
-    deltas: dict[int, tuple[int, int, int, int, int]]
+    # account id -> one amount per balance of ``ledger.models.BALANCES`` (tokens, concurrency, then money)
+    deltas: dict[int, tuple[int, int, int, int, int, int, int]]
 
 
 @dataclass
@@ -49,6 +50,10 @@ class Postings:
     downward correction) is limited, per account, to what this reservation posted into the account's current
     period: the rest was consumed in a period since closed by a roll-over, stays there, and is not taken from
     the new period (which must not go negative); its entry says when part of the decrease stayed behind.
+
+    Money follows the tokens: before the statement is written (and before a settlement releases the rest),
+    the reservation's posted spend is brought to what its tokens cost at the prices frozen on it
+    (``_post_spend``), out of its money hold.
     """
 
     reservation: Reservation
@@ -66,34 +71,73 @@ class Postings:
         input_consumed: int = 0,
         output_consumed: int = 0,
         in_flight: int = 0,
+        spend_reserved: int = 0,
+        spend_consumed: int = 0,
     ) -> None:
-        amounts = (input_reserved, output_reserved, input_consumed, output_consumed, in_flight)
+        amounts = (
+            input_reserved,
+            output_reserved,
+            input_consumed,
+            output_consumed,
+            in_flight,
+            spend_reserved,
+            spend_consumed,
+        )
         if not any(amounts):
             return
-        if input_consumed >= 0 and output_consumed >= 0:
+        if input_consumed >= 0 and output_consumed >= 0 and spend_consumed >= 0:
             self.moves.append(_Move(kind, reason[:300], dict.fromkeys(self.account_ids, amounts)))
             return
         # What was posted so far must be written before it can be counted: the rare decrease costs statements.
         self.flush(save=False)
         periods = locks.lock_account_periods(self.account_ids)
-        posted: dict[int, tuple[int, int]] = {}
+        posted: dict[int, tuple[int, int, int]] = {}
         for row in (
             LedgerEntry.objects.filter(reservation=self.reservation, account_id__in=self.account_ids)
             .values("account_id", "period_start")
-            .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"))
+            .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"), s=Sum("spend_consumed"))
         ):
             if row["period_start"] == periods[row["account_id"]]:
-                posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0)
+                posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0, row["s"] or 0)
         for account_id in self.account_ids:
-            done_in, done_out = posted.get(account_id, (0, 0))
+            done_in, done_out, done_spend = posted.get(account_id, (0, 0, 0))
             in_consumed = max(input_consumed, -done_in) if input_consumed < 0 else input_consumed
             out_consumed = max(output_consumed, -done_out) if output_consumed < 0 else output_consumed
-            applied = (input_reserved, output_reserved, in_consumed, out_consumed, in_flight)
+            sp_consumed = max(spend_consumed, -done_spend) if spend_consumed < 0 else spend_consumed
+            applied = (
+                input_reserved,
+                output_reserved,
+                in_consumed,
+                out_consumed,
+                in_flight,
+                spend_reserved,
+                sp_consumed,
+            )
             if not any(applied):
                 continue
-            closed = (in_consumed, out_consumed) != (input_consumed, output_consumed)
+            closed = (in_consumed, out_consumed, sp_consumed) != (
+                input_consumed,
+                output_consumed,
+                spend_consumed,
+            )
             note = " (part of the decrease belongs to a closed period)" if closed else ""
             self.moves.append(_Move(kind, (reason + note)[:300], {account_id: applied}))
+
+    def add_spend(self, kind: str, *, spend_reserved: int, spend_consumed: int, reason: str) -> None:
+        """Money moved by the tokens of the last move: written in that move's entries when it is of the same
+        kind and moves every account alike (one entry says what the tokens and their money did), else as a
+        move of its own. ``spend_consumed`` is not negative (a decrease goes through ``move``)."""
+        last = self.moves[-1] if self.moves else None
+        alike = (
+            last is not None
+            and set(last.deltas) == set(self.account_ids)
+            and len(set(last.deltas.values())) == 1
+        )
+        if last is not None and last.kind == kind and alike:
+            for account_id, (ir, orr, ic, oc, fl, sr, sc) in last.deltas.items():
+                last.deltas[account_id] = (ir, orr, ic, oc, fl, sr + spend_reserved, sc + spend_consumed)
+            return
+        self.move(kind, spend_reserved=spend_reserved, spend_consumed=spend_consumed, reason=reason)
 
     def insert(self, row: models.Model) -> None:
         """A new row written by the same statement (a usage event, a top-up)."""
@@ -105,6 +149,7 @@ class Postings:
         holds after it; the caller rolls the transaction back when an account is missing."""
         writes: list[tuple[str, list[Any]]] = []
         if save:
+            _post_spend(self)
             writes.append(update_sql(self.reservation))
         writes.extend(insert_sql(row) for row in self.inserts)
         moves = [
@@ -115,7 +160,9 @@ class Postings:
         self.moves, self.inserts = [], []
         if not writes and not moves:
             return set()
-        return statements.move_balances(writes, moves, self.reservation.pk, checked=within_limits)
+        return statements.move_balances(
+            writes, moves, self.reservation.pk, checked=within_limits, currency=self.reservation.currency
+        )
 
 
 def held_account_ids(reservation: Reservation) -> list[int]:
@@ -133,9 +180,13 @@ def capture(
     output_tokens: int,
     input_tokens: int | None,
     final: bool,
+    cached_input_tokens: int | None = None,
 ) -> UsageEvent:
-    """Capture one usage delta (the event row is written with the postings)."""
+    """Capture one usage delta (the event row is written with the postings). ``cached_input_tokens``, the
+    part of the input the provider read from its cache, prices that part at the cached-input price."""
     reservation = posts.reservation
+    if cached_input_tokens is not None:
+        reservation.input_cached = cached_input_tokens
     if (
         input_tokens is not None
         and reservation.input_reported is not None
@@ -193,10 +244,11 @@ def settle(
     refund_input: int = 0,
 ) -> None:
     """Apply a settling transition (it moves ``remaining`` to ``released``), then release that output
-    hold, the concurrency slot and any unposted input hold on every account; refund input when proven
-    unprocessed."""
+    hold, the concurrency slot, the money still held and any unposted input hold on every account; refund
+    input (and its money) when proven unprocessed."""
     reservation = posts.reservation
-    remaining = reservation.remaining
+    _post_spend(posts)
+    remaining, money_left = reservation.remaining, reservation.spend_remaining
     transition()
     slot = -1 if reservation.concurrency_held else 0
     reservation.concurrency_held = False
@@ -206,6 +258,7 @@ def settle(
         output_reserved=-remaining,
         in_flight=slot,
         input_reserved=-release_input,
+        spend_reserved=-money_left,
         reason=reason,
     )
     if refund_input:
@@ -225,18 +278,21 @@ def post_to_account(
     created_by: str = "",
     input_consumed: int = 0,
     output_consumed: int = 0,
+    spend_consumed: int = 0,
 ) -> LedgerEntry:
     """Move an account's consumed balances outside any reservation (a roll-over, a person's correction) and
     write its entry. The caller holds the account's row lock (``locks.lock_account``)."""
     CapacityAccount.objects.filter(pk=account.pk).update(
         input_consumed=F("input_consumed") + input_consumed,
         output_consumed=F("output_consumed") + output_consumed,
+        spend_consumed=F("spend_consumed") + spend_consumed,
     )
     return LedgerEntry.objects.create(
         account=account,
         kind=kind,
         input_consumed=input_consumed,
         output_consumed=output_consumed,
+        spend_consumed=spend_consumed,
         period_start=period_start,
         reason=reason[:300],
         created_by=created_by,
@@ -244,16 +300,71 @@ def post_to_account(
 
 
 def hold_amounts(reservation: Reservation) -> dict[str, int]:
-    """What a reservation's hold adds to each account (balance column -> amount): its input, its output and
-    one concurrency slot. A reservation already DISPATCHED (its admission recorded the dispatch) posts its
-    input as consumed instead of holding it."""
+    """What a reservation's hold adds to each account (balance column -> amount): its input, its output, its
+    money (on the accounts of its currency) and one concurrency slot. A reservation already DISPATCHED (its
+    admission recorded the dispatch) posts its input, and the input's money, as consumed instead of holding
+    them."""
     dispatched = reservation.state == State.DISPATCHED
     return {
         "input_reserved": 0 if dispatched else reservation.input_reserved,
         "input_consumed": reservation.input_consumed if dispatched else 0,
         "output_reserved": reservation.output_reserved,
         "in_flight": 1,
+        "spend_reserved": reservation.spend_remaining,
+        "spend_consumed": reservation.spend_captured,
     }
+
+
+def _post_admission_spend(reservation: Reservation) -> None:
+    """A reservation dispatched by its admission: its input's money is posted with its input, out of the
+    money hold, by the reserving statement."""
+    if reservation.state == State.DISPATCHED:
+        reservation.spend_captured = min(reservation.consumed_cost(), reservation.spend_remaining)
+        reservation.spend_remaining -= reservation.spend_captured
+
+
+def top_up_cost(reservation: Reservation, output_tokens: int) -> int:
+    """The money a top-up of ``output_tokens`` holds: the output hold's cost after it, less before it."""
+    if not reservation.currency:
+        return 0
+    held = reservation.output_reserved + reservation.top_ups
+    price = reservation.output_price
+    return cost(held + output_tokens, price) - cost(held, price)
+
+
+def hold_top_up(reservation: Reservation, output_tokens: int) -> int:
+    """Add a top-up to the reservation's output and money holds; returns the money it holds."""
+    money = top_up_cost(reservation, output_tokens)
+    reservation.top_ups += output_tokens
+    reservation.remaining += output_tokens
+    reservation.spend_reserved += money
+    reservation.spend_remaining += money
+    return money
+
+
+def _post_spend(posts: Postings) -> None:
+    """Bring the money posted for the reservation to what its consumed tokens cost: an increase is taken
+    from its money hold (beyond it, an overrun), a decrease (refund, downward correction) comes off the
+    overrun first, then what was captured, which is held again (released once settled)."""
+    reservation = posts.reservation
+    delta = reservation.consumed_cost() - reservation.spend_captured - reservation.spend_overrun
+    if delta > 0:
+        take = min(delta, reservation.spend_remaining)
+        reservation.spend_captured += take
+        reservation.spend_remaining -= take
+        reservation.spend_overrun += delta - take
+        posts.add_spend(EntryKind.POST, spend_reserved=-take, spend_consumed=delta, reason="spend posted")
+    elif delta < 0:
+        from_overrun = min(-delta, reservation.spend_overrun)
+        from_captured = -delta - from_overrun
+        reservation.spend_overrun -= from_overrun
+        reservation.spend_captured -= from_captured
+        # As tokens taken back go back to ``remaining`` while the call may still use them: money held again
+        # until settlement, released once it is settled.
+        back = from_captured if reservation.settled_at is None else 0
+        reservation.spend_remaining += back
+        reservation.spend_released += from_captured - back
+        posts.move(EntryKind.CORRECTION, spend_reserved=back, spend_consumed=delta, reason="spend corrected")
 
 
 def hold_new_reservation(
@@ -267,6 +378,7 @@ def hold_new_reservation(
     Idempotency-Key (or a providerRequestId of the tenant) already used. The reservation row is new, so
     nothing else can be waiting on it.
     """
+    _post_admission_spend(reservation)
     if record is None:
         row = insert_sql(reservation)
     else:
@@ -279,6 +391,7 @@ def hold_new_reservation(
             hold_amounts(reservation),
             None if record is None else (record.sql, record.params),
             reason="dispatched at admission" if reservation.state == State.DISPATCHED else "",
+            currency=reservation.currency,
         )
 
 
@@ -290,7 +403,9 @@ def hold_queued_reservation(reservation: Reservation, account_ids: Sequence[int]
     aborted (it must roll back).
     """
     sql, params = update_sql(reservation)
-    statements.hold((sql, params), reservation.pk, account_ids, hold_amounts(reservation))
+    statements.hold(
+        (sql, params), reservation.pk, account_ids, hold_amounts(reservation), currency=reservation.currency
+    )
 
 
 def _own_transaction() -> contextlib.AbstractContextManager[Any]:

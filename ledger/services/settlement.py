@@ -158,6 +158,8 @@ class Evidence:
     input_tokens: int = 0
     output_tokens: int = 0
     source: str = "provider lookup"
+    cached_input_tokens: int | None = None
+    """The part of the input billed at the cached-input price, when the evidence says."""
 
 
 def settle_from_evidence(
@@ -232,6 +234,8 @@ def settle_from_evidence(
 def _post_billed(posts: Postings, evidence: Evidence, *, now: datetime) -> None:
     """Bring captured output and consumed input to what was billed, with correcting entries."""
     reservation = posts.reservation
+    if evidence.cached_input_tokens is not None:
+        reservation.input_cached = evidence.cached_input_tokens
     recorded = reservation.captured + reservation.overrun
     delta = evidence.output_tokens - recorded
     if delta > 0:

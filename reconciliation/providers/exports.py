@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any, Final, Literal, get_args
 
 from reconciliation.providers.base import is_count
@@ -48,6 +49,8 @@ REQUEST_FIELDS: Final = (
     "input_tokens",
     "output_tokens",
     "start_time",
+    "cost",
+    "currency",
 )
 BUCKET_REQUIRED_FIELDS: Final = ("bucket_start", "bucket_end", "model", "input_tokens", "output_tokens")
 BUCKET_FIELDS: Final = (
@@ -187,6 +190,7 @@ def _record_from_row(
     if "request_id" in row:
         request_id = _text(row, "request_id", errors)
         start_time = _timestamp(row, "start_time", errors)
+        cost, currency = _cost(row, errors)
         if errors or input_tokens is None or output_tokens is None or start_time is None:
             problems.append(ExportProblem(line, "; ".join(errors)))
             return None
@@ -198,6 +202,8 @@ def _record_from_row(
             start_time=start_time,
             api_key_id=api_key_id,
             project_id=project_id,
+            cost=cost,
+            currency=currency,
             line=line,
         )
     bucket_start = _timestamp(row, "bucket_start", errors)
@@ -221,6 +227,25 @@ def _record_from_row(
         num_model_requests=num_requests,
         line=line,
     )
+
+
+def _cost(row: Row, errors: list[str]) -> tuple[Decimal | None, str | None]:
+    """The optional billed cost of a request and its currency: a decimal amount (text, or a JSON number read
+    through its text) of 0 or more and a three-letter code; both or neither."""
+    if not _present(row, "cost") and not _present(row, "currency"):
+        return None, None
+    value, currency = row.get("cost"), row.get("currency")
+    if not isinstance(currency, str) or not re.fullmatch(r"[A-Za-z]{3}", currency):
+        errors.append(f"currency is not a three-letter code: {currency!r}")
+        return None, None
+    try:
+        amount = None if isinstance(value, bool) else Decimal(str(value))
+    except InvalidOperation:
+        amount = None
+    if amount is None or not amount.is_finite() or amount < 0:
+        errors.append(f"cost is not an amount of 0 or more: {value!r}")
+        return None, None
+    return amount, currency.upper()
 
 
 def _present(row: Row, name: str) -> bool:

@@ -10,7 +10,8 @@ from enum import StrEnum
 
 @dataclass(frozen=True)
 class RequestBillingRecord:
-    """One billed provider request from a per-request export. ``line`` is where it was read (1-based)."""
+    """One billed provider request from a per-request export. ``line`` is where it was read (1-based);
+    ``cost`` is what the provider charged for it in ``currency`` (upper case), where the export says."""
 
     request_id: str
     model: str
@@ -19,6 +20,8 @@ class RequestBillingRecord:
     start_time: datetime
     api_key_id: str | None = None
     project_id: str | None = None
+    cost: Decimal | None = None
+    currency: str | None = None
     line: int = field(default=0, compare=False)
 
 

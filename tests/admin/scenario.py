@@ -12,6 +12,7 @@ from typing import Any
 
 from budgeting.admission.models import Manifest
 from budgeting.catalog.models import ModelPool, ModelRevision, Price, RolloutMode, TaskClass, Tenant
+from budgeting.catalog.prices import price_at
 from ledger.models import Reservation
 from ledger.services import admission as ledger_admission
 from ledger.services import lifecycle, settlement
@@ -132,6 +133,7 @@ def _admit(
         rung=rung,
         manifest_id=manifest.pk,
         minimum_evidence_ids=minimum,
+        price=price_at(s.model, _now()),
     )
     reservation = ledger_admission.reserve(
         spec=spec, build_body=lambda r: {"reservationId": str(r.pk)}, now=_now()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from budgeting.catalog.models import (
     ApiToken,
     ChangeRecord,
     ModelRevision,
+    Price,
     ServiceClient,
     TemporaryIncrease,
     Tenant,
@@ -283,7 +285,7 @@ def test_a_broken_catalog_rule_is_shown_on_its_field_in_words(users, scenario):
     finance = login("finance")
     body = {
         "model_revision": scenario.model.pk,
-        "effective_from_0": "2026-12-01",
+        "effective_from_0": (timezone.now() + timedelta(days=1)).date().isoformat(),
         "effective_from_1": "00:00:00",
         "currency": "usd",
         "input_per_million": "0.27",
@@ -299,6 +301,27 @@ def test_a_broken_catalog_rule_is_shown_on_its_field_in_words(users, scenario):
     errors = response.context["adminform"].form.errors
     assert errors["currency"] == ["Currency must be a three-letter ISO code, e.g. USD."]
     assert finance.post(reverse("admin:budgeting_price_add"), {**body, "currency": "USD"}).status_code == 302
+
+
+def test_a_price_cannot_be_back_dated_or_edited_in_the_admin(users, scenario):
+    finance = login("finance")
+    body = {
+        "model_revision": scenario.model.pk,
+        "effective_from_0": "2026-01-02",
+        "effective_from_1": "00:00:00",
+        "currency": "USD",
+        "input_per_million": "0.27",
+        "output_per_million": "1.10",
+        "note": "",
+        "change_reason": "back-dated",
+    }
+    response = finance.post(reverse("admin:budgeting_price_add"), body)
+    assert response.status_code == 200
+    assert "A price cannot start in the past" in response.content.decode()
+    price = Price.objects.get(model_revision=scenario.model)
+    change = reverse("admin:budgeting_price_change", args=[price.pk])
+    assert finance.post(change, {**body, "change_reason": "edit"}).status_code == 403
+    assert Price.objects.get(pk=price.pk).input_per_million == Decimal("3")
 
 
 def test_every_check_constraint_of_a_form_edited_model_has_words(users):

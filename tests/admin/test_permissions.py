@@ -174,7 +174,7 @@ POSTS = [
         lambda w: admin("budgeting_price_add"),
         lambda w: {
             "model_revision": w["scenario"].model.pk,
-            "effective_from_0": "2026-01-02",
+            "effective_from_0": (timezone.now() + timedelta(days=1)).date().isoformat(),
             "effective_from_1": "00:00:00",
             "currency": "EUR",
             "input_per_million": "1.5",

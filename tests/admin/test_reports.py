@@ -1,5 +1,6 @@
-"""The analysts' reports: the exports parse, their totals match the database, costs come from the price in
-effect, FOCUS columns are there, and only staff sessions with a report role may read them."""
+"""The analysts' reports: the exports parse, their totals match the database, costs are what the ledger
+posted at the prices frozen on each reservation (a later price correction changes no past figure), FOCUS
+columns are there, and only staff sessions with a report role may read them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from decimal import Decimal
 
 import pytest
 from django.contrib.staticfiles import finders
+from django.db import DatabaseError, transaction
 from django.db.models import F, Sum
 from django.test import Client
 from django.utils import timezone
@@ -19,9 +21,13 @@ from budgeting.admission.models import Manifest
 from budgeting.backoffice.reports.pricing import USAGE_COLUMNS
 from budgeting.backoffice.reports.query import parse_query
 from budgeting.backoffice.reports.selectors import requests_over_time
+from budgeting.catalog.changes import SYSTEM
+from budgeting.catalog.errors import InvalidChange
 from budgeting.catalog.models import Price
+from budgeting.catalog.prices import add_price
 from ledger.models import Reservation, State
 from tests.admin.conftest import login
+from tests.admin.scenario import _admit, _dispatch, _usage
 from tests.factories import ServiceClientFactory, issue_token
 
 pytestmark = pytest.mark.django_db
@@ -106,30 +112,69 @@ def test_focus_export_uses_focus_columns_and_adds_up(users, scenario):
         assert r["ChargePeriodStart"].endswith("T00:00:00Z")
 
 
-def test_a_price_change_splits_usage_at_the_effective_date(users, scenario):
-    model = scenario.model
-    change = timezone.now() - timedelta(minutes=1)
-    early = scenario.reservations["full"]
-    early_at = change - timedelta(hours=1)
-    Reservation.objects.filter(pk=early.pk).update(created_at=early_at)
-    Price.objects.create(
-        model_revision=model,
-        effective_from=change,
+def test_a_price_correction_changes_no_past_report_and_prices_the_next_admissions(users, scenario):
+    analyst = login("analyst")
+    before_csv = rows(analyst.get(URL, {"format": "csv", "from": today(), "to": today()}))
+    before = analyst.get(URL, {"from": today(), "to": today()}).json()
+    at = timezone.now()
+    add_price(
+        model_revision=scenario.model,
+        currency="USD",
         input_per_million=Decimal("6"),
         output_per_million=Decimal("30"),
+        cached_input_per_million=None,
+        effective_from=at,
+        note="corrected list price",
+        actor=SYSTEM,
+        reason="the provider's list price doubled",
+        now=at,
     )
-    # From the early request's day: in the first hour after midnight UTC it falls on the day before.
-    since = early_at.date().isoformat()
-    got = rows(login("analyst").get(URL, {"format": "csv", "from": since, "to": today()}))
-    by_price = {}
+    after_csv = rows(analyst.get(URL, {"format": "csv", "from": today(), "to": today()}))
+    assert after_csv == before_csv
+    assert analyst.get(URL, {"from": today(), "to": today()}).json()["totals"] == before["totals"]
+    # Report time's prices are not the frozen ones any more: the figures above are the frozen ones.
+    assert {r["inputPricePerMillion"] for r in after_csv} == {"3.000000"}
+
+    late = _admit(scenario, "after-correction", rung="FULL", input_tokens=1000, output_tokens=10)
+    _usage(scenario, _dispatch(scenario, late), "u1", 10, final=True, input_tokens=1000)
+    got = rows(analyst.get(URL, {"format": "csv", "from": today(), "to": today()}))
+    by_price: dict[str, int] = {}
     for r in got:
-        by_price.setdefault(r["inputPricePerMillion"], 0)
-        by_price[r["inputPricePerMillion"]] += int(r["requests"])
-    assert by_price == {"3.000000": 1, "6.000000": 4}
+        by_price[r["inputPricePerMillion"]] = by_price.get(r["inputPricePerMillion"], 0) + int(r["requests"])
+    assert by_price == {"3.000000": 5, "6.000000": 1}
+    corrected = next(r for r in got if r["inputPricePerMillion"] == "6.000000")
+    assert Decimal(corrected["cost"]) == Decimal("0.006300")  # 1,000 × $6 + 10 × $30 per million
+
+
+def test_a_used_price_cannot_be_rewritten_or_back_dated(users, scenario):
+    price = Price.objects.get(model_revision=scenario.model)
+    with pytest.raises(DatabaseError, match="used by an admission"), transaction.atomic():
+        Price.objects.filter(pk=price.pk).update(input_per_million=Decimal("1"))
+    with pytest.raises(DatabaseError, match="cannot start in the past"), transaction.atomic():
+        Price.objects.create(
+            model_revision=scenario.model,
+            effective_from=timezone.now() - timedelta(days=1),
+            input_per_million=Decimal("1"),
+            output_per_million=Decimal("1"),
+        )
+    with pytest.raises(InvalidChange):
+        add_price(
+            model_revision=scenario.model,
+            currency="USD",
+            input_per_million=Decimal("1"),
+            output_per_million=Decimal("1"),
+            cached_input_per_million=None,
+            effective_from=timezone.now() - timedelta(days=1),
+            note="",
+            actor=SYSTEM,
+            reason="back-dating",
+            now=timezone.now(),
+        )
+    assert Price.objects.get(pk=price.pk).input_per_million == Decimal("3")
 
 
 def test_requests_without_a_price_are_reported_not_costed(users, scenario):
-    Price.objects.all().delete()
+    Reservation.objects.update(price=None, currency="", input_price=0, output_price=0, cached_input_price=0)
     body = login("analyst").get(URL, {"from": today(), "to": today()}).json()
     assert body["totals"]["cost"] == {}
     assert body["totals"]["unpricedRequests"] == 5

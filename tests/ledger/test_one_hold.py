@@ -103,7 +103,7 @@ def test_the_audit_catches_a_rejection_that_keeps_its_output():
 
 def test_every_limit_of_the_table_refuses_in_python_as_the_statement_does():
     cat = catalog()
-    account = tenant_account(cat, input_limit=10, output_limit=10, concurrency_limit=1)
+    account = tenant_account(cat, input_limit=10, output_limit=10, concurrency_limit=1, spend_limit=10)
     for limit in LIMITS:
         over = {column: 11 for column in limit.used}
         assert limit.refuses(account, over)

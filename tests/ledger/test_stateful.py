@@ -1,11 +1,16 @@
 """A Hypothesis state machine drives random sequences of admissions and lifecycle calls against the real
 database and a pure Python model of the ledger, and checks after every step that the two agree, that balances
-equal the sum of their entries, that the conservation equation holds and that no account is overspent."""
+equal the sum of their entries, that the conservation equation holds and that no account is overspent — in
+tokens and in money: every admission is priced, the tenant account has a spend limit, and the model holds,
+posts and releases money as SPEC §5 says (at prices that make every figure round)."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -13,6 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from budgeting.catalog.errors import Conflict
+from budgeting.catalog.models import Price
+from budgeting.catalog.prices import FrozenPrice, cost
 from ledger.errors import InvalidTransition, QuotaExceeded, StaleFence, UsageEventConflict
 from ledger.models import CapacityAccount, Reservation
 from ledger.selectors import audit
@@ -23,6 +30,8 @@ INPUT_LIMIT = 3000
 OUTPUT_LIMIT = 2000
 CONCURRENCY = 3
 OUT = 100
+SPEND_LIMIT = 1200  # micro-dollars: binds beside the token limits
+IN_PRICE, OUT_PRICE = 333_333, 1_777_777  # micro-dollars per million tokens: every cost rounds up
 
 
 @dataclass
@@ -44,6 +53,33 @@ class Model:
     reason: str = ""
     events: dict[str, tuple[int, bool]] = field(default_factory=dict)
     top_up_ids: dict[str, int] = field(default_factory=dict)
+    s_reserved: int = 0
+    s_captured: int = 0
+    s_remaining: int = 0
+    s_released: int = 0
+    s_overrun: int = 0
+
+    def post_money(self) -> None:
+        """Bring the money posted to what the consumed tokens cost, from the hold (beyond it, an overrun)."""
+        target = cost(self.consumed, IN_PRICE) + cost(self.captured + self.overrun, OUT_PRICE)
+        delta = target - self.s_captured - self.s_overrun
+        if delta > 0:
+            take = min(delta, self.s_remaining)
+            self.s_captured += take
+            self.s_remaining -= take
+            self.s_overrun += delta - take
+        elif delta < 0:
+            from_overrun = min(-delta, self.s_overrun)
+            self.s_overrun -= from_overrun
+            self.s_captured -= -delta - from_overrun
+            if self.state == "SETTLED":
+                self.s_released += -delta - from_overrun
+            else:
+                self.s_remaining += -delta - from_overrun
+
+    def release_money(self) -> None:
+        self.s_released += self.s_remaining
+        self.s_remaining = 0
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -54,15 +90,27 @@ class LedgerMachine(RuleBasedStateMachine):
         # Examples share the database (ledger rows cannot be deleted); each gets its own tenant and pool.
         self.cat = catalog(tenant_slug=f"t-{uuid.uuid4().hex[:8]}", pool_slug=f"p-{uuid.uuid4().hex[:8]}")
         self.tenant = tenant_account(
-            self.cat, input_limit=INPUT_LIMIT, output_limit=OUTPUT_LIMIT, concurrency_limit=CONCURRENCY
+            self.cat,
+            input_limit=INPUT_LIMIT,
+            output_limit=OUTPUT_LIMIT,
+            concurrency_limit=CONCURRENCY,
+            spend_limit=SPEND_LIMIT,
         )
         self.pool = pool_account(self.cat)
+        self.price = FrozenPrice.of(
+            Price.objects.create(
+                model_revision=self.cat.model,
+                effective_from=datetime(2026, 1, 1, tzinfo=UTC),
+                input_per_million=Decimal(IN_PRICE) / 1_000_000,
+                output_per_million=Decimal(OUT_PRICE) / 1_000_000,
+            )
+        )
         self.models: dict[uuid.UUID, Model] = {}
         self.ids = [self.cat.tenant.pk]
 
     # --- the model's view of the tenant account -----------------------------------------------------------
 
-    def expected(self) -> tuple[int, int, int, int, int]:
+    def expected(self) -> tuple[int, int, int, int, int, int, int]:
         ms = self.models.values()
         return (
             sum(m.input for m in ms if m.state == "RESERVED"),
@@ -70,6 +118,13 @@ class LedgerMachine(RuleBasedStateMachine):
             sum(m.consumed for m in ms),
             sum(m.captured + m.overrun for m in ms),
             sum(1 for m in ms if m.held),
+            sum(m.s_remaining for m in ms),
+            sum(m.s_captured + m.s_overrun for m in ms),
+        )
+
+    def spec(self, key: str, size: int):
+        return dataclasses.replace(
+            spec(self.cat, key=key, input_tokens=size, output_tokens=OUT), price=self.price
         )
 
     def _call(self, fn, *args, **kwargs):
@@ -83,17 +138,19 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(target=reservations, size=st.integers(1, 1500))
     def admit(self, size):
         e = self.expected()
+        hold = cost(size, IN_PRICE) + cost(OUT, OUT_PRICE)
         fits = (
             e[0] + e[2] + size <= INPUT_LIMIT
             and e[1] + e[3] + OUT <= OUTPUT_LIMIT
             and e[4] + 1 <= CONCURRENCY
+            and e[5] + e[6] + hold <= SPEND_LIMIT
         )
         key = uuid.uuid4().hex
-        result, err = self._call(admit, spec(self.cat, key=key, input_tokens=size, output_tokens=OUT))
+        result, err = self._call(admit, self.spec(key, size))
         assert (err is None) == fits, (err, e, size)
         if result is None:
             return uuid.uuid4()
-        self.models[result.reservation.pk] = Model(key=key, input=size)
+        self.models[result.reservation.pk] = Model(key=key, input=size, s_reserved=hold, s_remaining=hold)
         return result.reservation.pk
 
     @rule(rid=reservations)
@@ -101,7 +158,7 @@ class LedgerMachine(RuleBasedStateMachine):
         model = self.models.get(rid)
         if model is None:
             return
-        result = admit(spec(self.cat, key=model.key, input_tokens=model.input, output_tokens=OUT))
+        result = admit(self.spec(model.key, model.input))
         assert result.replayed and result.reservation.pk == rid
 
     @rule(rid=reservations)
@@ -122,6 +179,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if model.state == "RESERVED":
             assert err is None
             model.state, model.consumed, model.dispatched = "DISPATCHED", model.input, True
+            model.post_money()
         elif model.dispatched:
             assert err is None, "repeating the same dispatch is a no-op"
         else:
@@ -156,10 +214,12 @@ class LedgerMachine(RuleBasedStateMachine):
         model.captured += take
         model.remaining -= take
         model.overrun += n - take
+        model.post_money()
         if final:
             model.released += model.remaining
             model.remaining = 0
             model.state, model.held = "SETTLED", False
+            model.release_money()
         elif model.state == "DISPATCHED":
             model.state = "RUNNING"
 
@@ -185,13 +245,16 @@ class LedgerMachine(RuleBasedStateMachine):
         if model.state not in {"RESERVED", "DISPATCHED", "RUNNING"}:
             assert isinstance(err, InvalidTransition)
             return
-        if e[1] + e[3] + n > OUTPUT_LIMIT:
+        extra = cost(OUT + model.top_ups + n, OUT_PRICE) - cost(OUT + model.top_ups, OUT_PRICE)
+        if e[1] + e[3] + n > OUTPUT_LIMIT or e[5] + e[6] + extra > SPEND_LIMIT:
             assert isinstance(err, QuotaExceeded)
             return
         assert err is None
         model.top_up_ids[top_up_id] = n
         model.top_ups += n
         model.remaining += n
+        model.s_reserved += extra
+        model.s_remaining += extra
 
     @rule(rid=reservations)
     def cancel(self, rid):
@@ -203,9 +266,11 @@ class LedgerMachine(RuleBasedStateMachine):
             assert err is None
             model.released += model.remaining
             model.remaining, model.state, model.held, model.reason = 0, "SETTLED", False, "cancelled"
+            model.release_money()
         elif model.state in {"DISPATCHED", "RUNNING"}:
             assert err is None
-            model.state, model.reason = "PARTIALLY_SETTLED", "cancelled"
+            # The gateway closed the call: its concurrency slot is freed now, its tokens stay held.
+            model.state, model.reason, model.held = "PARTIALLY_SETTLED", "cancelled", False
         elif model.reason == "cancelled":
             assert err is None
         else:
@@ -230,11 +295,14 @@ class LedgerMachine(RuleBasedStateMachine):
             assert err is None
             model.released += model.remaining
             model.remaining, model.state, model.held, model.reason = 0, "SETTLED", False, "failed"
+            model.release_money()
         elif model.state == "DISPATCHED" and sent == "no":
             assert err is None
             model.released += model.remaining
             model.remaining, model.state, model.held, model.reason = 0, "SETTLED", False, "released"
+            model.release_money()
             model.consumed = 0
+            model.post_money()  # the input's money is refunded
         elif model.state in {"DISPATCHED", "RUNNING"}:
             assert err is None
             model.state, model.reason = "PARTIALLY_SETTLED", "failed"
@@ -265,10 +333,19 @@ class LedgerMachine(RuleBasedStateMachine):
             account.input_consumed,
             account.output_consumed,
             account.in_flight,
+            account.spend_reserved,
+            account.spend_consumed,
         )
         assert actual == self.expected()
         assert account.input_reserved + account.input_consumed <= INPUT_LIMIT
         assert account.in_flight <= CONCURRENCY
+        # Money held never exceeds the limit: only overruns (posted anyway, as tokens are) may pass it.
+        assert (
+            account.spend_reserved + account.spend_consumed - sum(m.s_overrun for m in self.models.values())
+            <= SPEND_LIMIT
+        )
+        pool = CapacityAccount.objects.get(pk=self.pool.pk)
+        assert (pool.spend_reserved, pool.spend_consumed) == (account.spend_reserved, account.spend_consumed)
         for rid, model in self.models.items():
             r = Reservation.objects.get(pk=rid)
             assert (r.state, r.captured, r.remaining, r.released, r.overrun, r.top_ups) == (
@@ -278,6 +355,19 @@ class LedgerMachine(RuleBasedStateMachine):
                 model.released,
                 model.overrun,
                 model.top_ups,
+            )
+            assert (
+                r.spend_reserved,
+                r.spend_captured,
+                r.spend_remaining,
+                r.spend_released,
+                r.spend_overrun,
+            ) == (
+                model.s_reserved,
+                model.s_captured,
+                model.s_remaining,
+                model.s_released,
+                model.s_overrun,
             )
 
     @invariant()

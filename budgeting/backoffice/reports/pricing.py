@@ -1,8 +1,9 @@
-"""Usage and cost of a report's period: tokens per day and scope, priced at the price in effect.
+"""Usage and cost of a report's period: tokens per day and scope, at the prices frozen on each reservation.
 
 Tokens: input consumed is ``Reservation.input_consumed``; output consumed is ``captured + overrun`` (what was
-posted to the accounts, overruns included). Cost is tokens × the model revision's price in effect when the
-request was admitted (``Price``), per million tokens.
+posted to the accounts, overruns included). Cost is what the ledger posted for them: per reservation, each
+part at the price the admission froze on it (cached input at its own price), rounded up to a micro-unit
+(``budgeting.catalog.prices.cost``) — so a later price correction never changes a past report.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from datetime import UTC, date
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Count, F, OuterRef, Subquery, Sum
-from django.db.models.functions import TruncDate
+from django.db.models import BigIntegerField, Count, ExpressionWrapper, F, Sum
+from django.db.models.expressions import CombinedExpression
+from django.db.models.functions import Least, TruncDate
 
 from budgeting.backoffice.reports.query import ReportQuery
 from budgeting.backoffice.reports.selectors import reservations
-from budgeting.catalog.models import Price
+from budgeting.catalog.prices import MICRO, from_micro
 from ledger.models import State
 
-MILLION = Decimal(1_000_000)
+MILLION = Decimal(MICRO)
 COST_QUANTUM = Decimal("0.000001")
 
 
@@ -44,14 +46,10 @@ class UsageRow:
     currency: str | None
     input_price: Decimal | None
     output_price: Decimal | None
-
-    @property
-    def input_cost(self) -> Decimal | None:
-        return None if self.input_price is None else _cost(self.input_tokens, self.input_price)
-
-    @property
-    def output_cost(self) -> Decimal | None:
-        return None if self.output_price is None else _cost(self.output_tokens, self.output_price)
+    input_cost: Decimal | None = None
+    output_cost: Decimal | None = None
+    cached_input_tokens: int = 0
+    cached_input_price: Decimal | None = None
 
     @property
     def cost(self) -> Decimal | None:
@@ -60,26 +58,36 @@ class UsageRow:
         return self.input_cost + self.output_cost
 
 
-def _cost(tokens: int, per_million: Decimal) -> Decimal:
-    return (Decimal(tokens) * per_million / MILLION).quantize(COST_QUANTUM)
+def _ceil_cost(tokens: Any, per_million: str) -> CombinedExpression:
+    """``budgeting.catalog.prices.cost`` in SQL, per reservation: ceil(tokens × price / 1e6) micro-units."""
+    return (tokens * F(per_million) + (MICRO - 1)) / MICRO
 
 
 def usage_rows(q: ReportQuery) -> Iterator[UsageRow]:
     """Usage and cost rows of the period, ordered by day then scope; streamed from the database."""
-    price_in_effect = (
-        Price.objects.filter(
-            model_revision=OuterRef("model_revision"), effective_from__lte=OuterRef("created_at")
-        )
-        .order_by("-effective_from")
-        .values("pk")[:1]
-    )
+    cached = Least(F("input_cached"), F("input_consumed"))
+    money = BigIntegerField()
     grouped = (
         reservations(q)
         .exclude(state__in=[State.PROPOSED, State.REJECTED])
-        .annotate(day=TruncDate("created_at", tzinfo=UTC), price_id=Subquery(price_in_effect))
+        .annotate(
+            day=TruncDate("created_at", tzinfo=UTC),
+            input_money=ExpressionWrapper(
+                _ceil_cost(F("input_consumed") - cached, "input_price")
+                + _ceil_cost(cached, "cached_input_price"),
+                output_field=money,
+            ),
+            output_money=ExpressionWrapper(
+                _ceil_cost(F("captured") + F("overrun"), "output_price"), output_field=money
+            ),
+        )
         .values(
             "day",
             "price_id",
+            "currency",
+            "input_price",
+            "cached_input_price",
+            "output_price",
             tenant_slug=F("tenant__slug"),
             tenant_name=F("tenant__name"),
             task_slug=F("task_class__slug"),
@@ -91,17 +99,27 @@ def usage_rows(q: ReportQuery) -> Iterator[UsageRow]:
         .annotate(
             requests=Count("pk"),
             input_tokens=Sum("input_consumed"),
+            cached_input_tokens=Sum(cached),
             output_tokens=Sum(F("captured") + F("overrun")),
+            input_micro=Sum("input_money"),
+            output_micro=Sum("output_money"),
         )
-        .order_by("day", "tenant_slug", "task_slug", "pool_slug", "model", "rung_name", "price_id")
+        .order_by(
+            "day",
+            "tenant_slug",
+            "task_slug",
+            "pool_slug",
+            "model",
+            "rung_name",
+            "price_id",
+            "currency",
+            "input_price",
+            "cached_input_price",
+            "output_price",
+        )
     )
-    prices: dict[int, Price] = {}
     for row in grouped.iterator(chunk_size=2000):
-        price = None
-        if row["price_id"] is not None:
-            price = prices.get(row["price_id"]) or prices.setdefault(
-                row["price_id"], Price.objects.get(pk=row["price_id"])
-            )
+        priced = bool(row["currency"])
         yield UsageRow(
             day=row["day"],
             tenant=row["tenant_slug"],
@@ -115,9 +133,13 @@ def usage_rows(q: ReportQuery) -> Iterator[UsageRow]:
             input_tokens=row["input_tokens"] or 0,
             output_tokens=row["output_tokens"] or 0,
             price_id=row["price_id"],
-            currency=price.currency if price else None,
-            input_price=price.input_per_million if price else None,
-            output_price=price.output_per_million if price else None,
+            currency=row["currency"] if priced else None,
+            input_price=from_micro(row["input_price"]) if priced else None,
+            output_price=from_micro(row["output_price"]) if priced else None,
+            input_cost=from_micro(row["input_micro"] or 0) if priced else None,
+            output_cost=from_micro(row["output_micro"] or 0) if priced else None,
+            cached_input_tokens=row["cached_input_tokens"] or 0,
+            cached_input_price=from_micro(row["cached_input_price"]) if priced else None,
         )
 
 

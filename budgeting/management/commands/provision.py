@@ -64,6 +64,8 @@ class Command(BaseCommand):
             applied = apply_plan(plan, now=now)
         except PlanChanged as exc:
             raise CommandError(str(exc)) from None
+        except ProvisioningError as exc:
+            raise CommandError(f"nothing applied: {exc}") from None
         self.stdout.write(applied.summary())
         if applied.conflicts:
             raise CommandError("some changes were not applied (see above)")
