@@ -1,7 +1,6 @@
 """How the admin writes the figures people read, and reads the ones they type: token counts with thousands
-separators ("2,000,000"), signed movements ("+2,000,000", "-1,600"), compact millions for narrow columns,
-money at its currency's precision with its symbol ("$2.36"), and unit prices (per 1M tokens) with the digits
-they have.
+separators ("2,000,000"), signed movements ("+2,000,000", "-1,600"), money at its currency's precision with
+its symbol ("$2.36"), and unit prices (per 1M tokens) with the digits they have.
 
 Templates use the same functions as filters (``{% load tb_formats %}``); a form field reading a count
 (``CountField``) accepts what it shows ("12,000,000").
@@ -16,8 +15,6 @@ from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
-from django.utils.html import format_html
-from django.utils.safestring import SafeString
 
 UNLIMITED = "∞"
 # Costs are computed and kept to the micro-unit (reports.pricing.COST_QUANTUM): never show more decimals.
@@ -61,13 +58,6 @@ def signed(value: int | None) -> str:
     if value is None:
         return "—"
     return f"{value:+,}" if value else "0"
-
-
-def compact(value: int | None) -> SafeString:
-    """Millions as "99.99 M" for narrow list columns, the exact figure in the tooltip; smaller ones exact."""
-    if value is None or abs(value) < 1_000_000:
-        return format_html("{}", count(value))
-    return format_html('<span title="{}">{} M</span>', count(value), f"{value / 1_000_000:,.2f}")
 
 
 def minor_units(currency: str) -> int:

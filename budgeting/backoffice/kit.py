@@ -87,7 +87,7 @@ def figure_column(
     field: str, title: str, show: Callable[[Any], str] = count, *, ordering: str | None = None
 ) -> Callable[[Any, Any], SafeString]:
     """A list column showing a number of the row (a field or an annotation) as people read it (``show``:
-    ``formats.count`` by default, or ``signed``, ``compact``), right-aligned, sortable by it."""
+    ``formats.count`` by default, or ``signed``), right-aligned, sortable by it."""
 
     def column(model_admin: Any, obj: Any) -> SafeString:
         return format_html('<div class="tb-num">{}</div>', show(getattr(obj, field)))

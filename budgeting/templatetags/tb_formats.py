@@ -13,7 +13,7 @@ from budgeting.backoffice import formats
 
 register = template.Library()
 
-for _name in ("count", "signed", "compact", "money", "unit_price", "amounts", "percent"):
+for _name in ("count", "signed", "money", "unit_price", "amounts", "percent"):
     register.filter(_name, getattr(formats, _name))
 
 
