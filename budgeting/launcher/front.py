@@ -102,7 +102,7 @@ http {{
         error_page 413 @too_large;
         error_page 494 =431 @headers;
         error_page 408 @timeout;
-        error_page 502 504 @down;
+        error_page 502 504 =503 @down;
         location @too_large {{ default_type application/problem+json; return 413 '{too_large}'; }}
         location @headers {{ default_type application/problem+json; return 431 '{headers}'; }}
         location @timeout {{ default_type application/problem+json; return 408 '{timeout}'; }}

@@ -19,6 +19,7 @@ def pool_form(pool: ModelPool, **changes: str) -> dict[str, str]:
         "provider_base_url": pool.provider_base_url,
         "api_key_env": pool.api_key_env,
         "admin_key_env": pool.admin_key_env,
+        "max_call_seconds": str(pool.max_call_seconds),
         "change_reason": "move the pool to OpenAI",
         **changes,
     }
