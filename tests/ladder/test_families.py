@@ -18,9 +18,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 import tiktoken
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from llama_models.datatypes import RawMediaItem, RawMessage, RawTextItem
 from llama_models.datatypes import ToolCall as MetaToolCall
 from llama_models.llama3.chat_format import ChatFormat
@@ -266,7 +267,12 @@ def meta_messages(comps: Components) -> list[RawMessage]:
             except ValueError:
                 parsed = None
             arguments = parsed if isinstance(parsed, dict) else call.arguments
-            calls.append(MetaToolCall(call_id=call.id, tool_name=call.name, arguments=arguments))
+            try:
+                calls.append(MetaToolCall(call_id=call.id, tool_name=call.name, arguments=arguments))
+            except pydantic.ValidationError:
+                # Meta's ToolCall holds arguments at most one object deep: a generated call nested deeper has
+                # no reference framing to compare with (a fixture never is, so there this fails the test).
+                reject()
         out.append(RawMessage(role=message.role, content=content, tool_calls=calls))
     return out
 

@@ -19,7 +19,7 @@ from tokenbudget_litellm.mapping import Caller, to_admission
 
 from budgeting.observability import tracing
 from tests.api.test_admissions import request_body
-from tests.integrations.test_litellm_calls import GRANT, ScriptedApi
+from tests.integrations.test_litellm_calls import GRANT, ScriptedApi, run
 from tests.integrations.test_litellm_mapping import GROUP, SETTINGS, request
 
 TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
@@ -148,12 +148,12 @@ def test_the_litellm_hook_forwards_the_callers_traceparent():
     }
     admission = to_admission(data, GROUP, Caller(), SETTINGS)
     api = ScriptedApi(ApiResponse(201, {}, GRANT))
-    Calls(api).admit(admission)
+    run(Calls(api).admit(admission))
     assert api.sent[0].headers == {"Idempotency-Key": admission.idempotency_key, "traceparent": TRACEPARENT}
 
     untraced = to_admission(request(), GROUP, Caller(), SETTINGS)
     api = ScriptedApi(ApiResponse(201, {}, GRANT))
-    Calls(api).admit(untraced)
+    run(Calls(api).admit(untraced))
     assert api.sent[0].headers == {"Idempotency-Key": untraced.idempotency_key}
 
 
