@@ -105,14 +105,17 @@ INSERT INTO ledger_reservation (
     rendered_digest, admitted_digest, rung, mode, state, outcome, input_reserved, input_consumed,
     output_reserved, top_ups, captured, remaining, released, overrun, concurrency_held, provider_request_id,
     fence, failure_reason, minimum_evidence_ids, needs_person, provider_adapter, provider_endpoint,
-    request_sent, created_at, updated_at)
+    request_sent, input_cached, currency, input_price, cached_input_price, output_price, spend_reserved,
+    spend_captured, spend_remaining, spend_released, spend_overrun, created_at, updated_at)
 VALUES (%s, %s, %s, %s, %s, %s, %s, 'd', 'd', 'FULL', 'ENFORCE', 'RESERVED', '', 10, 0, 10, 0, 0, 10, 0, 0,
-        true, '', 1, '', '[]', '', '', '', '', now(), now())
+        true, '', 1, '', '[]', '', '', '', '', 0, 'USD', 1, 1, 1, 20, 0, 20, 0, 0, now(), now())
 """
 RAW_UPDATE = """
 UPDATE ledger_capacityaccount
-   SET input_reserved = input_reserved + 10, output_reserved = output_reserved + 10, in_flight = in_flight + 1
+   SET input_reserved = input_reserved + 10, output_reserved = output_reserved + 10,
+       in_flight = in_flight + 1, spend_reserved = spend_reserved + 20
  WHERE id = %s AND (input_limit IS NULL OR input_reserved + input_consumed + 10 <= input_limit)
+   AND (spend_limit IS NULL OR spend_reserved + spend_consumed + 20 <= spend_limit)
 """
 
 
@@ -136,8 +139,9 @@ def raw_baseline(
             for account in account_ids:
                 conn.execute(
                     "INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved,"
-                    " output_reserved, input_consumed, output_consumed, in_flight, period_start, reason,"
-                    " created_by, created_at) VALUES (%s,%s,'HOLD',10,10,0,0,1,now(),'','',now())",
+                    " output_reserved, input_consumed, output_consumed, in_flight, spend_reserved,"
+                    " spend_consumed, period_start, reason, created_by, created_at)"
+                    " VALUES (%s,%s,'HOLD',10,10,0,0,1,20,0,now(),'','',now())",
                     (account, rid),
                 )
         return True
@@ -267,12 +271,16 @@ def service_throughput(seconds: float) -> dict[str, float]:
     from django.utils import timezone
 
     from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
+    from budgeting.catalog.prices import price_at
     from ledger.services import admission as ledger_admission
 
     tenant = Tenant.objects.get(slug="t-internal")
     task = TaskClass.objects.get(slug="support-chat")
     pool = ModelPool.objects.get(slug="eu-large")
     model = ModelRevision.objects.get(name="model@2026-07-01")
+    # The demo's t-internal has a spend limit: the hold is priced at the price in force, as the orchestrator
+    # prices it.
+    price = price_at(model, timezone.now())
 
     def service_call(i: int, n: int) -> bool:
         key = f"svc-{i}-{n}-{time.monotonic_ns()}"
@@ -290,6 +298,7 @@ def service_throughput(seconds: float) -> dict[str, float]:
             policy_revision=18,
             rung="FULL",
             manifest_id=None,
+            price=price,
         )
         return not ledger_admission.reserve(spec=spec, build_body=lambda r: {}, now=timezone.now()).replayed
 
