@@ -123,19 +123,7 @@ def reservation_detail(reservation: Reservation) -> dict[str, Any]:
         "mode": reservation.mode,
         "rung": reservation.rung,
         "policyRevision": reservation.policy_revision,
-        "input": {
-            "reserved": reservation.input_reserved,
-            "consumed": reservation.input_consumed,
-            "reported": reservation.input_reported,
-        },
-        "output": {
-            "reserved": reservation.output_reserved,
-            "topUps": reservation.top_ups,
-            "captured": reservation.captured,
-            "remaining": reservation.remaining,
-            "released": reservation.released,
-            "overrun": reservation.overrun,
-        },
+        **_token_amounts(reservation),
         "concurrencyHeld": reservation.concurrency_held,
         "spend": spend_detail(reservation),
         "providerRequestId": reservation.provider_request_id or None,
@@ -173,16 +161,9 @@ def reservation_detail(reservation: Reservation) -> dict[str, Any]:
     }
 
 
-def lifecycle_answer(reservation: Reservation) -> dict[str, Any]:
-    """The answer of a lifecycle call (dispatch, usage, top-up, cancel, fail, lease, outcome): the state, the
-    amounts and the lease, from the row the call locked and wrote — no statement of its own. The gateway
-    reads the state and the lease from it; the whole detail (events, entries, holds, manifest) is at
-    ``GET /reservations/{id}`` (``reservation_detail``)."""
-    expires_at = reservation.lease_expires_at
+def _token_amounts(reservation: Reservation) -> dict[str, dict[str, int | None]]:
+    """The reservation's input and output figures, as the detail and every lifecycle answer show them."""
     return {
-        "reservationId": str(reservation.pk),
-        "state": reservation.state,
-        "outcome": reservation.outcome or None,
         "input": {
             "reserved": reservation.input_reserved,
             "consumed": reservation.input_consumed,
@@ -196,6 +177,20 @@ def lifecycle_answer(reservation: Reservation) -> dict[str, Any]:
             "released": reservation.released,
             "overrun": reservation.overrun,
         },
+    }
+
+
+def lifecycle_answer(reservation: Reservation) -> dict[str, Any]:
+    """The answer of a lifecycle call (dispatch, usage, top-up, cancel, fail, lease, outcome): the state, the
+    amounts and the lease, from the row the call locked and wrote — no statement of its own. The gateway
+    reads the state and the lease from it; the whole detail (events, entries, holds, manifest) is at
+    ``GET /reservations/{id}`` (``reservation_detail``)."""
+    expires_at = reservation.lease_expires_at
+    return {
+        "reservationId": str(reservation.pk),
+        "state": reservation.state,
+        "outcome": reservation.outcome or None,
+        **_token_amounts(reservation),
         "concurrencyHeld": reservation.concurrency_held,
         "providerRequestId": reservation.provider_request_id or None,
         "lease": {"fence": reservation.fence, "expiresAt": expires_at.isoformat() if expires_at else None},

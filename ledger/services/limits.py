@@ -132,16 +132,9 @@ def set_account_limits(
     temporary increase expiring) nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
     """
     reason = require_reason(reason)
-    if any(v is not None and v < 0 for v in (input_limit, output_limit, concurrency_limit)):
-        raise InvalidChange("limits cannot be negative")
+    _require_non_negative(input_limit, output_limit, concurrency_limit)
     with transaction.atomic(durable=True):
-        account = _lock(account_id)
-        current = (account.input_limit, account.output_limit, account.concurrency_limit)
-        if current != tuple(expected):
-            raise LimitsChanged(
-                "the limits changed since you looked at them; review the new values and confirm again",
-                current=list(current),
-            )
+        account = _lock_as_seen(account_id, expected)
         preview = preview_limits(
             account, input_limit=input_limit, output_limit=output_limit, concurrency_limit=concurrency_limit
         )
@@ -181,16 +174,9 @@ def set_permanent_limits(
     nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
     """
     reason = require_reason(reason)
-    if any(v is not None and v < 0 for v in (input_limit, output_limit, concurrency_limit)):
-        raise InvalidChange("limits cannot be negative")
+    _require_non_negative(input_limit, output_limit, concurrency_limit)
     with transaction.atomic(durable=True):
-        account = _lock(account_id)
-        current = (account.input_limit, account.output_limit, account.concurrency_limit)
-        if current != tuple(expected):
-            raise LimitsChanged(
-                "the limits changed since you looked at them; review the new values and confirm again",
-                current=list(current),
-            )
+        account = _lock_as_seen(account_id, expected)
         # Read under the account's lock: a grant or an end of an increase locks the account first.
         increases = active_increases(account)
         preview = preview_permanent_limits(
@@ -223,6 +209,23 @@ def set_permanent_limits(
 
 def _permanent(preview: list[DimensionPreview], *, new: bool) -> dict[str, int | None]:
     return {f"{p.name}_limit": p.new_permanent if new else p.old_permanent for p in preview}
+
+
+def _require_non_negative(*limits: int | None) -> None:
+    if any(v is not None and v < 0 for v in limits):
+        raise InvalidChange("limits cannot be negative")
+
+
+def _lock_as_seen(account_id: int, expected: tuple[int | None, int | None, int | None]) -> CapacityAccount:
+    """The account, locked, if its limits in force are still those the person saw; else LimitsChanged."""
+    account = _lock(account_id)
+    current = (account.input_limit, account.output_limit, account.concurrency_limit)
+    if current != tuple(expected):
+        raise LimitsChanged(
+            "the limits changed since you looked at them; review the new values and confirm again",
+            current=list(current),
+        )
+    return account
 
 
 def _lock(account_id: int) -> CapacityAccount:
