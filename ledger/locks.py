@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from budgeting.catalog.models import ModelPool
+from budgeting.db.rows import fetch_rows
 from ledger.models import CapacityAccount, Hold, Reservation
 
 
@@ -32,7 +33,7 @@ def lock_reservation(
     # balances), the database clock and the pool's provider adapter and endpoint (what a dispatch records)
     # come with the row. Its other columns but the stored documents are the model's fields.
     params: list[Any] = [reservation_id] if tenant_ids is None else [reservation_id, list(tenant_ids)]
-    found = list(Reservation.objects.raw(_lock_sql(tenant_ids is not None), params))
+    found = fetch_rows(Reservation, _lock_sql(tenant_ids is not None), params)
     return found[0] if found else None
 
 

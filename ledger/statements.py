@@ -227,7 +227,7 @@ def move_balances(
         params.extend(value for row in moves for value in row)
         params.extend([currency, reservation_id])
         moved = "SELECT id FROM upd"
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(
             f"WITH {', '.join(ctes)} SELECT COALESCE(array_agg(id), '{{}}') FROM ({moved}) AS x(id)", params
         )

@@ -13,6 +13,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from budgeting.catalog.errors import Conflict, NotFound
+from budgeting.db.rows import fetch_rows
 from ledger import locks
 from ledger.errors import (
     InvalidTransition,
@@ -391,18 +392,17 @@ def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: 
     """Push the lease expiry out by LEASE_SECONDS from the database clock: one statement when the fence is
     current and the state renewable. Raises NotFound, StaleFence, or InvalidTransition (settled, rejected,
     queued or reconciling)."""
-    renewed = list(
-        Reservation.objects.raw(
-            _RENEW_SQL,
-            [
-                settings.LEASE_SECONDS,
-                timezone.now(),
-                reservation_id,
-                list(tenant_ids),
-                fence,
-                [str(state) for state in _RENEWABLE],
-            ],
-        )
+    renewed = fetch_rows(
+        Reservation,
+        _RENEW_SQL,
+        [
+            settings.LEASE_SECONDS,
+            timezone.now(),
+            reservation_id,
+            list(tenant_ids),
+            fence,
+            [str(state) for state in _RENEWABLE],
+        ],
     )
     if renewed:
         return renewed[0]
