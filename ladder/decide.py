@@ -16,6 +16,7 @@ from ladder.counting import (
     CountingUnavailable,
     MemoryCountCache,
     SegmentCounter,
+    TextCounts,
     UpperBoundCounter,
     rendered_digest,
     with_total,
@@ -249,6 +250,7 @@ def decide(
     counter_for: Callable[[ModelSpec], SegmentCounter],
     cache: CountCache,
     provider_count: ProviderCount | None = None,
+    known: TextCounts | None = None,
 ) -> Decision:
     """Decide whether ``components`` may be sent to ``model``, degrading along the task's ladder if needed.
 
@@ -265,7 +267,8 @@ def decide(
     call); otherwise the walk counts with the model's local tokenizer scaled by the provider's answer, and
     the payload it ends on is counted by the provider; only when that count and the estimate disagree on
     fitting is the walk repeated on the new scale (at most ``MAX_PROVIDER_COUNTS`` provider counts in all).
-    Without ``provider_count`` such a model's counting is unavailable.
+    Without ``provider_count`` such a model's counting is unavailable. ``known`` is the process's segment
+    counts by text, consulted before ``cache`` (``ladder.counting.count_stream``).
 
     Raises ValueError for a non-positive ``requested_max_output`` or ``global_cap``, or a fallback model that
     the policy does not list; TemplateError for an inconsistent ladder state (a bug).
@@ -292,6 +295,7 @@ def decide(
         refused=refused,
         digests_before=bucket_digests(components),
         calibration=None if provider_count is None else Calibration(provider_count),
+        known=known,
     )
     missing = _missing_minimum_evidence(request)
     if missing is not None:

@@ -11,7 +11,6 @@ goes into every count cache key: changing a template's text means a new revision
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import re
 from abc import ABC, abstractmethod
@@ -87,17 +86,28 @@ def _piece(message: Message, segment: Segment) -> Piece | None:
     return Text(message.bucket, message.object_id, part.text) if part.text else None
 
 
+# The piece classes are final (slotted dataclasses nothing subclasses): an exact type test is enough, and on
+# a stream of a thousand pieces it is several times cheaper than isinstance against a union.
+_SEPARATORS = frozenset({Special, Cut})
+
+
 def check_boundaries(pieces: Sequence[Piece]) -> None:
     """Check the counting rule: the stream starts and ends with a special or a cut, and no two other pieces
     touch (a special or a cut separates them).
 
     Raises TemplateError when the rule is broken (a template bug: counts would no longer add up).
     """
-    if not pieces or not isinstance(pieces[0], Special | Cut) or not isinstance(pieces[-1], Special | Cut):
+    separators = _SEPARATORS
+    if not pieces or type(pieces[0]) not in separators or type(pieces[-1]) not in separators:
         raise TemplateError("a stream must start and end with a special token or a cut")
-    for left, right in itertools.pairwise(pieces):
-        if not isinstance(left, Special | Cut) and not isinstance(right, Special | Cut):
-            raise TemplateError(f"adjacent non-special pieces: {left!r} / {right!r}")
+    separated = True
+    for index, piece in enumerate(pieces):
+        if type(piece) in separators:
+            separated = True
+        elif separated:
+            separated = False
+        else:
+            raise TemplateError(f"adjacent non-special pieces: {pieces[index - 1]!r} / {piece!r}")
 
 
 def stream_text(pieces: Sequence[Piece]) -> str:

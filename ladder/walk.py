@@ -16,6 +16,7 @@ from ladder.counting import (
     CountCache,
     CountingUnavailable,
     SegmentCounter,
+    TextCounts,
     count_stream,
     rendered_digest,
     with_total,
@@ -61,7 +62,8 @@ class Target:
     """A route with the counter that counts for it.
 
     ``render_memo`` (shared by every target of one walk: messages do not depend on the template) and
-    ``counts`` (this counter's counts under this template) only save work across the walk's recounts.
+    ``counts`` (this counter's counts under this template) only save work across the walk's recounts;
+    ``known``, the process's counts by text, saves it across requests.
     """
 
     route: Route
@@ -71,6 +73,7 @@ class Target:
     counts: dict[str, int] = field(default_factory=dict)
     scale: Scale | None = None
     """For a provider-counted model: local counts are scaled by what the provider answered so far."""
+    known: TextCounts | None = None
 
     @property
     def model(self) -> ModelSpec:
@@ -94,6 +97,7 @@ class Target:
             template_revision=self.route.template.revision,
             image_formula=self.route.model.image_formula,
             memo=self.counts,
+            known=self.known,
         )
 
 
@@ -169,6 +173,8 @@ class Request:
     digests_before: dict[str, str]
     calibration: Calibration | None = None
     """Present when a provider counting API is available: provider-counted models are counted by it."""
+    known: TextCounts | None = None
+    """The process's segment counts by text (``count_stream``), or None."""
 
     @property
     def route(self) -> Route:
@@ -194,7 +200,9 @@ class Request:
                     f"{model.id} is counted by {model.provider_counter}; no counting API"
                 )
             scale = self.calibration.scale_for(model)
-        return Target(self.route_to(model), self.exact_counter(model), cache, render_memo, scale=scale)
+        return Target(
+            self.route_to(model), self.exact_counter(model), cache, render_memo, scale=scale, known=self.known
+        )
 
     def exact_counter(self, model: ModelSpec) -> SegmentCounter:
         """Return the exact counter of ``model``.

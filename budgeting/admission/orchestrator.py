@@ -172,6 +172,7 @@ def _decide(
                 counter_for=_counter_for(caller, drifted),
                 cache=cache,
                 provider_count=provider_count_for(r.pool, caller.snapshot.models, cache),
+                known=cache.texts,
             )
         except CountingUnavailable as exc:
             raise Unavailable(str(exc), code="COUNTING_UNAVAILABLE", retry_after=5) from None

@@ -80,7 +80,7 @@ def body(
 def forget_local_caches() -> None:
     """Only Redis is left to remember a count: the decision memo and the in-process count layer go."""
     decision_memo().clear()
-    count_cache().local.clear()
+    count_cache().forget_local()
 
 
 @pytest.mark.parametrize(

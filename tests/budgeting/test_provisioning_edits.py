@@ -21,7 +21,12 @@ from budgeting.provisioning.models import ProvisionedValue
 from budgeting.provisioning.plan import make_plan
 from budgeting.provisioning.source import load, load_file
 from ledger.models import CapacityAccount
-from ledger.services.limits import end_temporary_increase, grant_temporary_increase, set_account_limits
+from ledger.services.limits import (
+    end_temporary_increase,
+    grant_temporary_increase,
+    limits_in_force,
+    set_account_limits,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -56,7 +61,8 @@ def finance_raises_t19_output_to(value: int) -> None:
         input_limit=account.input_limit,
         output_limit=value,
         concurrency_limit=account.concurrency_limit,
-        expected=limits(account),
+        spend_limit=account.spend_limit,
+        expected=limits_in_force(account),
         reason="Q3 contract",
         actor=FINANCE,
     )
