@@ -28,7 +28,7 @@ from budgeting.backoffice.account_display import (
     shown_as,
     usage_bar,
 )
-from budgeting.backoffice.formats import CountField, MoneyField, count, signed
+from budgeting.backoffice.formats import CountField, MoneyField, count, signed, signed_micro_money
 from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     ReasonForm,
@@ -96,13 +96,15 @@ def limits_form(currency: str) -> type[LimitsForm]:
 
 
 class IncreaseForm(StepForm):
+    """A temporary increase; ``increase_form`` adds its spend in the account's currency."""
+
     input_tokens = CountField(min_value=0, label="Extra input tokens")
     output_tokens = CountField(min_value=0, label="Extra output tokens")
     concurrency = CountField(min_value=0, label="Extra concurrent requests")
     expires_at = forms.DateTimeField(
         label="Expires at (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
-    field_order = ["input_tokens", "output_tokens", "concurrency", "expires_at", "reason"]
+    field_order = ["input_tokens", "output_tokens", "concurrency", "spend", "expires_at", "reason"]
 
     def clean_expires_at(self) -> datetime:
         value: datetime = self.cleaned_data["expires_at"]
@@ -112,9 +114,23 @@ class IncreaseForm(StepForm):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
-        if not any(data.get(k) for k in ("input_tokens", "output_tokens", "concurrency")):
+        if not any(data.get(k) for k in ("input_tokens", "output_tokens", "concurrency", "spend")):
             raise forms.ValidationError("Increase at least one dimension.")
         return data
+
+
+def increase_form(currency: str) -> type[IncreaseForm]:
+    """The temporary increase form of an account kept in ``currency``: extra spend is an amount of it."""
+
+    class AccountIncreaseForm(IncreaseForm):
+        spend = MoneyField(
+            currency=currency,
+            required=False,
+            label=f"Extra spend per period ({currency})",
+            help_text=f"An amount in {currency}, e.g. 500.00; empty adds none.",
+        )
+
+    return AccountIncreaseForm
 
 
 class CorrectionForm(StepForm):
@@ -337,14 +353,20 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
         def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
             rows: list[Row] = []
             warnings = []
-            for name, limit, extra in (
-                ("input limit (tokens)", account.input_limit, data["input_tokens"]),
-                ("output limit (tokens)", account.output_limit, data["output_tokens"]),
-                ("concurrency limit (requests)", account.concurrency_limit, data["concurrency"]),
+            for name, limit, extra, show in (
+                ("input limit (tokens)", account.input_limit, data["input_tokens"], count),
+                ("output limit (tokens)", account.output_limit, data["output_tokens"], count),
+                ("concurrency limit (requests)", account.concurrency_limit, data["concurrency"], count),
+                (
+                    f"spend limit ({account.currency})",
+                    account.spend_limit,
+                    _micro(data["spend"]) or 0,
+                    shown_as("spend", account.currency),
+                ),
             ):
                 if extra and limit is None:
                     warnings.append(f"{name} is unlimited: there is nothing to increase.")
-                rows.append((name, count(limit), count(None if limit is None else limit + extra), False))
+                rows.append((name, show(limit), show(None if limit is None else limit + extra), False))
             rows.append(("until", "", f"{data['expires_at']:%Y-%m-%d %H:%M} UTC", False))
             return rows, warnings
 
@@ -354,6 +376,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
                 input_tokens=data["input_tokens"],
                 output_tokens=data["output_tokens"],
                 concurrency=data["concurrency"],
+                spend=_micro(data["spend"]) or 0,
                 expires_at=data["expires_at"],
                 reason=data["reason"],
                 actor=actor(request),
@@ -365,7 +388,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             request,
             self,
             account,
-            IncreaseForm,
+            increase_form(account.currency),
             title=f"Temporary increase on {account}",
             lead="The amounts are added to the limits now and taken off again at the expiry.",
             submit="Grant increase",
@@ -429,6 +452,7 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
         "input_col",
         "output_col",
         "concurrency_col",
+        "spend_col",
         "starts_at",
         "expires_at",
         "status",
@@ -440,6 +464,19 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
     search_fields = ["reason", "created_by", "account__tenant__slug", "account__pool__slug"]
     actions = ["revoke", "end_expired"]
     list_select_related = ["account__tenant", "account__task_class", "account__pool"]
+    fields = [
+        "account",
+        "input_tokens",
+        "output_tokens",
+        "concurrency",
+        "spend_col",
+        "starts_at",
+        "expires_at",
+        "reason",
+        "created_by",
+        "ended_at",
+        "end_reason",
+    ]
 
     @admin.display(description="account")
     def account_link(self, obj: TemporaryIncrease) -> str:
@@ -456,6 +493,10 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
     @admin.display(description="extra concurrent requests", ordering="concurrency")
     def concurrency_col(self, obj: TemporaryIncrease) -> str:
         return signed(obj.concurrency)
+
+    @admin.display(description="extra spend", ordering="spend")
+    def spend_col(self, obj: TemporaryIncrease) -> str:
+        return signed_micro_money(obj.spend, obj.account.currency)
 
     @admin.display(description="status")
     def status(self, obj: TemporaryIncrease) -> str:

@@ -10,9 +10,15 @@ from dataclasses import dataclass
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting.backoffice.formats import CURRENCY_SYMBOLS, count, minor_units, signed, unit_price
+from budgeting.backoffice.formats import (
+    CURRENCY_SYMBOLS,
+    count,
+    micro_money,
+    minor_units,
+    signed,
+    signed_micro_money,
+)
 from budgeting.backoffice.kit import Row
-from budgeting.catalog.prices import from_micro
 from ledger.models import CapacityAccount
 from ledger.services.limits import DimensionPreview
 
@@ -20,22 +26,10 @@ WARN_AT = 0.8
 Show = Callable[[int | None], str]
 
 
-def money_figure(micro: int | None, currency: str) -> str:
-    """Micro-units of ``currency`` as finance reads them, exactly: "$5,000.00", "$0.000125"; none is "∞"."""
-    return count(None) if micro is None else unit_price(from_micro(micro), currency)
-
-
-def signed_money(micro: int, currency: str) -> str:
-    """A movement of money with its sign: "+$500.00", "-$1.20", "0"."""
-    if not micro:
-        return "0"
-    return ("+" if micro > 0 else "") + money_figure(micro, currency)
-
-
 def shown_as(name: str, currency: str) -> Show:
     """How a dimension's figures are written: counts, or spend's micro-units as money."""
     if name == "spend":
-        return lambda value: money_figure(value, currency)
+        return lambda value: micro_money(value, currency)
     return count
 
 
@@ -115,7 +109,7 @@ class Dimension:
 
     @property
     def increase_text(self) -> str:
-        return signed_money(self.increase, self.currency) if self.is_money else signed(self.increase)
+        return signed_micro_money(self.increase, self.currency) if self.is_money else signed(self.increase)
 
     @property
     def available(self) -> SafeString:
@@ -172,7 +166,7 @@ def limit_rows(dims: list[DimensionPreview], currency: str) -> list[Row]:
         show = shown_as(d.name, currency)
         name = f"spend ({currency})" if d.name == "spend" else d.name
         if d.increase:
-            more = signed_money(d.increase, currency) if d.name == "spend" else signed(d.increase)
+            more = signed_micro_money(d.increase, currency) if d.name == "spend" else signed(d.increase)
             rows += [
                 (f"{name} permanent limit", show(d.old_permanent), show(d.new_permanent), False),
                 (f"{name} temporary increase (unchanged)", more, more, False),

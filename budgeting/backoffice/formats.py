@@ -114,6 +114,21 @@ def unit_price(amount: Decimal | str | None, currency: str | None) -> str:
     return _with_currency(amount_digits(abs(value), currency), currency, negative=value < 0)
 
 
+def micro_money(micro: int | None, currency: str) -> str:
+    """Micro-units of ``currency`` (the ledger's money) as finance reads them, exactly: "$5,000.00",
+    "$0.000125"; none (no limit) is "∞"."""
+    return UNLIMITED if micro is None else unit_price(Decimal(micro).scaleb(-MAX_MONEY_PLACES), currency)
+
+
+def signed_micro_money(micro: int | None, currency: str) -> str:
+    """A movement of micro-units with its sign: "+$500.00", "-$1.20", "0"; none is "—"."""
+    if micro is None:
+        return "—"
+    if not micro:
+        return "0"
+    return ("+" if micro > 0 else "") + micro_money(micro, currency)
+
+
 def amount_digits(value: Decimal, currency: str) -> str:
     """An amount's digits with separators, at least at its currency's precision and with every further digit
     it has ("5,000.00", "0.0375"): nothing rounded away."""

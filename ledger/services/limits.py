@@ -27,7 +27,12 @@ LIMIT_FIELDS = tuple(limit.limit for limit in LIMITS)
 """The limit columns, in the order of ``LIMITS`` (input, output, concurrency, spend): the order of every
 ``expected`` tuple below."""
 # What a temporary increase adds to each dimension's limit: its amount column.
-INCREASE_AMOUNTS = {"input": "input_tokens", "output": "output_tokens", "concurrency": "concurrency"}
+INCREASE_AMOUNTS = {
+    "input": "input_tokens",
+    "output": "output_tokens",
+    "concurrency": "concurrency",
+    "spend": "spend",
+}
 BALANCE_FIELDS = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")
 
 
@@ -78,8 +83,7 @@ def used(account: CapacityAccount) -> dict[str, int]:
 
 
 def active_increases(account: CapacityAccount) -> dict[str, int]:
-    """What the account's temporary increases that have not ended add to each limit, per dimension (0 for a
-    dimension no increase can raise)."""
+    """What the account's temporary increases that have not ended add to each limit, per dimension."""
     totals = TemporaryIncrease.objects.filter(account=account, ended_at__isnull=True).aggregate(
         **{name: Sum(amount) for name, amount in INCREASE_AMOUNTS.items()}
     )
@@ -283,14 +287,16 @@ def grant_temporary_increase(
     reason: str,
     actor: Actor,
     now: datetime,
+    spend: int = 0,
 ) -> TemporaryIncrease:
-    """Raise an account's limits by these amounts until ``expires_at``.
+    """Raise an account's limits by these amounts until ``expires_at`` (``spend`` in micro-units of the
+    account's currency).
 
     Raises InvalidChange for an empty or negative increase, an expiry in the past, or an increase of an
     unlimited dimension (there is nothing to raise); NotFound.
     """
     reason = require_reason(reason)
-    amounts = {"input": input_tokens, "output": output_tokens, "concurrency": concurrency}
+    amounts = {"input": input_tokens, "output": output_tokens, "concurrency": concurrency, "spend": spend}
     if any(v < 0 for v in amounts.values()) or not any(amounts.values()):
         raise InvalidChange(
             "an increase needs a positive amount on at least one dimension, and no negative one"
@@ -299,11 +305,7 @@ def grant_temporary_increase(
         raise InvalidChange("the expiry must be in the future")
     with transaction.atomic(durable=True):
         account = _lock(account_id)
-        limits = {
-            "input": account.input_limit,
-            "output": account.output_limit,
-            "concurrency": account.concurrency_limit,
-        }
+        limits = dict(zip(DIMENSIONS, limits_in_force(account), strict=True))
         unlimited = [name for name, extra in amounts.items() if extra and limits[name] is None]
         if unlimited:
             raise InvalidChange(f"{', '.join(unlimited)} is unlimited on this account; nothing to increase")
@@ -312,12 +314,14 @@ def grant_temporary_increase(
             input_limit=F("input_limit") + input_tokens,
             output_limit=F("output_limit") + output_tokens,
             concurrency_limit=F("concurrency_limit") + concurrency,
+            spend_limit=F("spend_limit") + spend,
         )
         increase = TemporaryIncrease.objects.create(
             account=account,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             concurrency=concurrency,
+            spend=spend,
             starts_at=now,
             expires_at=expires_at,
             reason=reason,
@@ -367,6 +371,7 @@ def end_temporary_increase(*, increase_id: int, reason: str, actor: Actor, now: 
             input_limit=lowered(account.input_limit, increase.input_tokens),
             output_limit=lowered(account.output_limit, increase.output_tokens),
             concurrency_limit=lowered(account.concurrency_limit, increase.concurrency),
+            spend_limit=lowered(account.spend_limit, increase.spend),
         )
         account.refresh_from_db()
         record_change(

@@ -5,20 +5,25 @@ amount, and the next admission holds against it (429 naming the spend dimension)
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 from django.contrib.messages import get_messages
 from django.urls import reverse
+from django.utils import timezone
 
 from budgeting.catalog.changes import Actor
-from budgeting.catalog.models import ChangeRecord
-from budgeting.catalog.prices import cost, from_micro
+from budgeting.catalog.models import ChangeRecord, Price, TemporaryIncrease
+from budgeting.catalog.prices import FrozenPrice, cost, from_micro
+from ledger.errors import QuotaExceeded
 from ledger.models import CapacityAccount, Scope
 from ledger.services import limits
 from tests.admin.conftest import login
-from tests.api.test_money_end_to_end import IN_PRICE, OUT_PRICE, admit
+from tests.api import test_money_end_to_end as api
+from tests.ledger.helpers import Catalog, admit, catalog, spec, tenant_account
 
 FINANCE = Actor(user_id=None, username="finance")
 
@@ -165,10 +170,10 @@ def test_a_spend_limit_changed_since_the_form_was_shown_is_not_overwritten(users
 def test_the_next_admission_holds_against_the_spend_limit_finance_set(demo_api, users):
     account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant__slug="t-19")
     assert account.spend_limit is None
-    first = admit(demo_api, "spend-admin-1")
+    first = api.admit(demo_api, "spend-admin-1")
     assert first.status_code == 201, first.content[:300]
     tokens = first.json()["tokens"]
-    hold = cost(tokens["input"], IN_PRICE) + cost(tokens["maxOutput"], OUT_PRICE)
+    hold = cost(tokens["input"], api.IN_PRICE) + cost(tokens["maxOutput"], api.OUT_PRICE)
     account.refresh_from_db()
     used = account.spend_reserved + account.spend_consumed
     assert used == hold
@@ -180,7 +185,7 @@ def test_the_next_admission_holds_against_the_spend_limit_finance_set(demo_api, 
     assert finance.post(limits_url(account), form(account, "confirm", typed)).status_code == 302
     assert CapacityAccount.objects.get(pk=account.pk).spend_limit == limit
 
-    refused = admit(demo_api, "spend-admin-2")
+    refused = api.admit(demo_api, "spend-admin-2")
     assert refused.status_code == 429, refused.content[:300]
     problem = refused.json()
     assert (problem["code"], problem["dimension"], problem["currency"]) == ("QUOTA_EXCEEDED", "spend", "USD")
@@ -189,4 +194,116 @@ def test_the_next_admission_holds_against_the_spend_limit_finance_set(demo_api, 
     account.refresh_from_db()
     raised = Decimal(typed) + Decimal("0.000001")
     assert finance.post(limits_url(account), form(account, "confirm", f"{raised:f}")).status_code == 302
-    assert admit(demo_api, "spend-admin-3").status_code == 201
+    assert api.admit(demo_api, "spend-admin-3").status_code == 201
+
+
+# A temporary spend increase (issue 19 §3.1): money beside the token increases, shown apart from the base --
+
+
+def increase_form(spend: str, step: str) -> dict[str, object]:
+    expires = timezone.now() + timedelta(days=3)
+    return {
+        "step": step,
+        "reason": "quarter-end push",
+        "input_tokens": "0",
+        "output_tokens": "0",
+        "concurrency": "0",
+        "spend": spend,
+        "expires_at": f"{expires:%Y-%m-%dT%H:%M}",
+    }
+
+
+@pytest.mark.django_db
+def test_a_temporary_spend_increase_is_shown_apart_and_a_limit_edit_changes_the_base_only(users, cat):
+    account = tenant(cat)
+    CapacityAccount.objects.filter(pk=account.pk).update(spend_limit=5_000_000_000)
+    finance = login("finance")
+    url = reverse("admin:ledger_capacityaccount_increase", args=[account.pk])
+    assert "Extra spend per period (USD)" in finance.get(url).content.decode()
+    confirm = finance.post(url, increase_form("250.00", "edit")).content.decode()
+    assert "spend limit (USD)" in confirm and "$5,000.00" in confirm and "$5,250.00" in confirm
+    assert finance.post(url, increase_form("250.00", "confirm")).status_code == 302
+    account.refresh_from_db()
+    assert account.spend_limit == 5_250_000_000  # what admission reads: base + temporary
+    increase = TemporaryIncrease.objects.get(account=account)
+    assert (increase.spend, increase.input_tokens) == (250_000_000, 0)
+    granted = ChangeRecord.objects.get(action="account.temporary_increase")
+    assert (granted.before["spend_limit"], granted.after["spend_limit"]) == (5_000_000_000, 5_250_000_000)
+
+    page = finance.get(reverse("admin:ledger_capacityaccount_change", args=[account.pk])).content.decode()
+    assert "$5,250.00" in page and "$5,000.00 permanent +$250.00 temporary" in page
+    assert "+$250.00" in finance.get(reverse("admin:budgeting_temporaryincrease_changelist")).content.decode()
+    # The limits form offers the base, not base and increase folded into one figure.
+    edit = finance.get(limits_url(account)).content.decode()
+    assert spend_box(edit) == "5,000.00" and "+$250.00" in edit
+
+    assert finance.post(limits_url(account), form(account, "confirm", "6,000")).status_code == 302
+    assert tenant(cat).spend_limit == 6_250_000_000
+    record = ChangeRecord.objects.get(action="account.limits")
+    assert record.before["permanent"]["spend_limit"] == 5_000_000_000
+    assert record.after["permanent"]["spend_limit"] == 6_000_000_000
+    assert record.after["temporaryIncreases"] == {"spend": 250_000_000}
+    assert limits.end_temporary_increase(
+        increase_id=increase.pk, reason="expired", actor=FINANCE, now=timezone.now()
+    )
+    assert tenant(cat).spend_limit == 6_000_000_000  # finance's edit stays when the increase ends
+
+
+@pytest.mark.django_db
+def test_a_spend_increase_needs_a_spend_limit_and_an_amount(users, cat):
+    account = tenant(cat)
+    finance = login("finance")
+    url = reverse("admin:ledger_capacityaccount_increase", args=[account.pk])
+    warned = finance.post(url, increase_form("100", "edit")).content.decode()
+    assert "spend limit (USD) is unlimited: there is nothing to increase." in warned
+    refused = finance.post(url, increase_form("100", "confirm"), follow=True).content.decode()
+    assert "spend is unlimited on this account; nothing to increase" in refused
+    bad = finance.post(url, increase_form("-100", "confirm")).content.decode()
+    assert "An amount cannot be negative." in bad
+    assert not TemporaryIncrease.objects.exists() and tenant(cat).spend_limit is None
+    assert login("analyst").post(url, increase_form("100", "confirm")).status_code == 403
+
+
+def priced(cat: Catalog) -> FrozenPrice:
+    """$3 input and $15 output per million tokens: 1,000 input and 200 output tokens hold $0.006."""
+    price = Price.objects.create(
+        model_revision=cat.model,
+        effective_from=datetime(2026, 1, 1, tzinfo=UTC),
+        currency="USD",
+        input_per_million=Decimal("3"),
+        output_per_million=Decimal("15"),
+    )
+    return FrozenPrice.of(price)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_hold_reads_a_temporary_spend_increase_until_it_ends():
+    cat = catalog(tenant_slug="t-inc")
+    price = priced(cat)
+    account = tenant_account(cat, spend_limit=6_000)
+
+    def hold() -> None:
+        admit(dataclasses.replace(spec(cat, input_tokens=1000, output_tokens=200), price=price))
+
+    hold()
+    with pytest.raises(QuotaExceeded) as refused:
+        hold()
+    assert refused.value.extra["dimension"] == "spend"
+    start = timezone.now()
+    increase = limits.grant_temporary_increase(
+        account_id=account.pk,
+        input_tokens=0,
+        output_tokens=0,
+        concurrency=0,
+        spend=6_000,
+        expires_at=start + timedelta(hours=1),
+        reason="launch",
+        actor=FINANCE,
+        now=start,
+    )
+    hold()
+    assert limits.expire_temporary_increases(now=start + timedelta(hours=1)) == 1
+    account.refresh_from_db()
+    assert account.spend_limit == 6_000 and TemporaryIncrease.objects.get(pk=increase.pk).ended_at
+    with pytest.raises(QuotaExceeded):
+        hold()
