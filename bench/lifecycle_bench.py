@@ -107,8 +107,8 @@ def fill(url: str, reservations: int, entries: int) -> float:
         conn.execute(
             """
             INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-                input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
-                created_by, created_at)
+                input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start,
+                reason, created_by, created_at)
             SELECT a.id, r.id, (ARRAY['HOLD', 'POST', 'POST', 'RELEASE', 'CORRECTION'])[1 + k %% 5],
                    0, 0, 0, 0, 0, 0, 0, a.period_start, 'bulk', '', r.created_at
               FROM (SELECT id, created_at, row_number() OVER () AS n FROM ledger_reservation
@@ -190,8 +190,8 @@ UPDATE ledger_reservation SET state = 'SETTLED', outcome = 'RELEASED', remaining
 """
 RAW_ENTRY = """
 INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-    input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason, created_by,
-    created_at)
+    input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
+    created_by, created_at)
 VALUES (%s, %s, %s, %s, %s, 0, 0, %s, 0, 0, now(), '', '', now())
 """
 
