@@ -95,10 +95,11 @@ def fill(url: str, reservations: int, entries: int) -> float:
                 output_reserved, top_ups, captured, remaining, released, overrun, concurrency_held,
                 provider_request_id, fence, failure_reason, minimum_evidence_ids, needs_person,
                 provider_adapter, provider_endpoint, request_sent, created_at, updated_at, dispatched_at,
-                settled_at, lease_expires_at)
+                settled_at, lease_expires_at, currency, input_price, cached_input_price, output_price,
+                input_cached, spend_reserved, spend_captured, spend_remaining, spend_released, spend_overrun)
             SELECT gen_random_uuid(), %s, %s, %s, %s, 'bulk-' || g, 'bulk-' || g, 'd', 'd', 'FULL', 'ENFORCE',
                    'SETTLED', 'COMPLETED', 10, 10, 10, 0, 10, 0, 0, 0, false, 'bulk-prov-' || g, 1, '', '[]',
-                   '', 'simulator', '', '', at, at, at, at, at
+                   '', 'simulator', '', '', at, at, at, at, at, '', 0, 0, 0, 0, 0, 0, 0, 0, 0
               FROM generate_series(1, %s) AS g, LATERAL (SELECT now() - g * interval '1 second' AS at) AS t
             """,
             (tenant, task, pool, model, reservations),
@@ -106,9 +107,10 @@ def fill(url: str, reservations: int, entries: int) -> float:
         conn.execute(
             """
             INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-                input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
+                input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start,
+                reason, created_by, created_at)
             SELECT a.id, r.id, (ARRAY['HOLD', 'POST', 'POST', 'RELEASE', 'CORRECTION'])[1 + k %% 5],
-                   0, 0, 0, 0, 0, a.period_start, 'bulk', '', r.created_at
+                   0, 0, 0, 0, 0, 0, 0, a.period_start, 'bulk', '', r.created_at
               FROM (SELECT id, created_at, row_number() OVER () AS n FROM ledger_reservation
                      WHERE request_id LIKE 'bulk-%%') AS r,
                    generate_series(0, %s - 1) AS k,
@@ -188,8 +190,9 @@ UPDATE ledger_reservation SET state = 'SETTLED', outcome = 'RELEASED', remaining
 """
 RAW_ENTRY = """
 INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
-    input_consumed, output_consumed, in_flight, period_start, reason, created_by, created_at)
-VALUES (%s, %s, %s, %s, %s, 0, 0, %s, now(), '', '', now())
+    input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
+    created_by, created_at)
+VALUES (%s, %s, %s, %s, %s, 0, 0, %s, 0, 0, now(), '', '', now())
 """
 
 

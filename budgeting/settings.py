@@ -296,6 +296,9 @@ LEASE_SECONDS = env_int("LEASE_SECONDS", 120, minimum=1)
 ACCOUNT_CACHE_SECONDS = env_int("ACCOUNT_CACHE_SECONDS", 5, minimum=0)
 # Segment counts kept in each process in front of Redis (an entry is a key of ~100 bytes and an int).
 COUNT_CACHE_LOCAL_ENTRIES = env_int("COUNT_CACHE_LOCAL_ENTRIES", 200_000, minimum=0)
+# Segment counts kept in each process by their text (ladder.counting.TextCounts), at most this many characters
+# of text held: a warm count looks each segment up there without hashing it into a key or asking Redis.
+COUNT_CACHE_LOCAL_CHARS = env_int("COUNT_CACHE_LOCAL_CHARS", 20_000_000, minimum=0)
 # Provider counting APIs (budgeting/admission/counters): a count waits at most this long, and this many
 # timeouts, 429s or 5xx in a row open the API's circuit for the cooldown (no call, counting unavailable).
 COUNTING_API_TIMEOUT_SECONDS = env_int("COUNTING_API_TIMEOUT_MS", 2000, minimum=1) / 1000

@@ -3,7 +3,9 @@
 A stream's count is the number of its special tokens, plus the count of each text piece, plus the image cost
 of each image (``ladder.templates`` guarantees these add up exactly). Text counts are cached per segment
 under ``tc:{tokenizer digest}:{template revision}:{sha256 of the text}``, so a count made with another
-tokenizer file or another template revision is never reused.
+tokenizer file or another template revision is never reused. In front of that shared cache, ``TextCounts``
+keeps this process's counts under the same three parts, the text itself in place of its sha256: a warm count
+then costs a dictionary lookup per segment, no key built and no round trip.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import os
 import threading
 import unicodedata
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +28,6 @@ from ladder.templates import (
     TEMPLATE_BUCKET,
     TEMPLATE_OBJECT,
     Bound,
-    Cut,
     Image,
     Piece,
     Special,
@@ -91,6 +93,67 @@ class MemoryCountCache:
     def set_many(self, mapping: Mapping[str, int]) -> None:
         """Store counts."""
         self.data.update(mapping)
+
+
+class TextCounts:
+    """This process's segment counts, keyed by (counter digest, template revision, the text itself).
+
+    The same identity as a shared cache key (``cache_key``), so a count made with another tokenizer file (a
+    new digest) or another template revision is never reused; only the text stands for its sha256. Finding a
+    segment costs the string's own hash (computed once per string object) and a comparison, where a cache key
+    costs its UTF-8 encoding, a sha256 and the shared cache's round trip. Bounded by the characters it holds
+    (``max_chars``; least recently used out first; 0 keeps nothing). Safe to share between threads.
+    """
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self._counts: OrderedDict[tuple[str, str, str], int] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    @property
+    def chars(self) -> int:
+        """The characters of the texts held."""
+        return self._chars
+
+    def get_many(self, counter_digest: str, template_revision: str, texts: Sequence[str]) -> list[int | None]:
+        """Return the count of each text under this counter and template revision, or None where unknown."""
+        counts = self._counts
+        found: list[int | None] = []
+        with self._lock:
+            for text in texts:
+                key = (counter_digest, template_revision, text)
+                value = counts.get(key)
+                if value is not None:
+                    counts.move_to_end(key)
+                found.append(value)
+        return found
+
+    def set_many(self, counter_digest: str, template_revision: str, counts: Mapping[str, int]) -> None:
+        """Keep the counts of these texts under this counter and template revision."""
+        limit = self.max_chars
+        held = self._counts
+        with self._lock:
+            for text, value in counts.items():
+                if len(text) > limit:
+                    continue
+                key = (counter_digest, template_revision, text)
+                if key not in held:
+                    self._chars += len(text)
+                held[key] = value
+                held.move_to_end(key)
+            while self._chars > limit:
+                (_, _, text), _ = held.popitem(last=False)
+                self._chars -= len(text)
+
+    def clear(self) -> None:
+        """Forget every count."""
+        with self._lock:
+            self._counts.clear()
+            self._chars = 0
 
 
 # ------------------------------------------------------------------------------------------------ counters
@@ -339,12 +402,14 @@ def count_stream(
     template_revision: str,
     image_formula: ImageFormula,
     memo: dict[str, int] | None = None,
+    known: TextCounts | None = None,
 ) -> Count:
-    """Count a rendered stream: cached segments are reused, all misses go to the counter in one call.
+    """Count a rendered stream: known and cached segments are reused, the misses go to the counter at once.
 
-    ``memo`` (text → count) is consulted before the cache and filled from it: the recounts of one ladder walk
-    then neither hash keys nor ask the cache again for a text already seen. It must only ever hold counts of
-    this ``counter`` under this ``template_revision``.
+    ``memo`` (text → count) is consulted first and filled: the recounts of one ladder walk then neither look
+    a text up again nor ask the cache for it. It must only ever hold counts of this ``counter`` under this
+    ``template_revision``. ``known`` (the process's ``TextCounts``) is consulted next, then ``cache`` (by
+    ``cache_key``) for what neither has; what the cache or the counter answered is added to ``known``.
 
     Raises CountingUnavailable when the counter fails, TemplateError when the stream breaks the boundary rule
     (its segment counts would not add up), and ValueError if the counter answers with the wrong shape.
@@ -354,47 +419,60 @@ def count_stream(
     unique: list[str] = []
     asked: set[str] = set()
     for piece in pieces:
-        if not isinstance(piece, Text):
-            continue
-        text = piece.text
-        if text not in texts and text not in asked:
-            asked.add(text)
-            unique.append(text)
+        if type(piece) is Text:
+            text = piece.text
+            if text not in texts and text not in asked:
+                asked.add(text)
+                unique.append(text)
+    digest = counter.digest
+    if unique and known is not None:
+        found = known.get_many(digest, template_revision, unique)
+        missing_texts: list[str] = []
+        for text, value in zip(unique, found, strict=True):
+            if value is None:
+                missing_texts.append(text)
+            else:
+                texts[text] = value
+        unique = missing_texts
     if unique:
-        keys = [cache_key(counter.digest, template_revision, text) for text in unique]
+        keys = [cache_key(digest, template_revision, text) for text in unique]
         cached = cache.get_many(keys)
         missing = [index for index, value in enumerate(cached) if value is None]
+        learned: dict[str, int] = {}
         for text, value in zip(unique, cached, strict=True):
             if value is not None:
-                texts[text] = value
+                learned[text] = value
         if missing:
             counted = counter.count_many([unique[index] for index in missing])
             if len(counted) != len(missing) or any(type(n) is not int or n < 0 for n in counted):
                 raise ValueError("counter returned a malformed answer")
             fresh: dict[str, int] = {}
             for index, value in zip(missing, counted, strict=True):
-                texts[unique[index]] = value
+                learned[unique[index]] = value
                 fresh[keys[index]] = value
             cache.set_many(fresh)
+        texts.update(learned)
+        if known is not None:
+            known.set_many(digest, template_revision, learned)
 
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}
     specials = 0
     method = counter.method
     for piece in pieces:
-        if isinstance(piece, Special):
+        if type(piece) is Text:
+            tokens = texts[piece.text]
+        elif type(piece) is Special:
             specials += 1
             continue
-        if isinstance(piece, Cut):
-            continue
-        if isinstance(piece, Image):
+        elif type(piece) is Image:
             tokens = image_tokens(piece.width, piece.height, image_formula)
-        elif isinstance(piece, Bound):
+        elif type(piece) is Bound:
             # Every token of a byte-level BPE covers at least one byte (see Bound).
             tokens = len(piece.text.encode("utf-8"))
             method = "UPPER_BOUND"
         else:
-            tokens = texts[piece.text]
+            continue  # a Cut: no token
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
         per_object[piece.object_id] = per_object.get(piece.object_id, 0) + tokens
     per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials

@@ -16,6 +16,7 @@ from ladder.counting import (
     CountCache,
     CountingUnavailable,
     SegmentCounter,
+    TextCounts,
     count_stream,
     rendered_digest,
     with_total,
@@ -61,7 +62,8 @@ class Target:
     """A route with the counter that counts for it.
 
     ``render_memo`` (shared by every target of one walk: messages do not depend on the template) and
-    ``counts`` (this counter's counts under this template) only save work across the walk's recounts.
+    ``counts`` (this counter's counts under this template) only save work across the walk's recounts;
+    ``known``, the process's counts by text, saves it across requests.
     """
 
     route: Route
@@ -71,6 +73,7 @@ class Target:
     counts: dict[str, int] = field(default_factory=dict)
     scale: Scale | None = None
     """For a provider-counted model: local counts are scaled by what the provider answered so far."""
+    known: TextCounts | None = None
 
     @property
     def model(self) -> ModelSpec:
@@ -82,7 +85,9 @@ class Target:
 
     def count(self, components: Components) -> Count:
         local = self.local_count(components)
-        return local if self.scale is None else self.scale.apply(local)
+        if self.scale is None or not provider_counted(self.model, local):
+            return local
+        return self.scale.apply(local)
 
     def local_count(self, components: Components) -> Count:
         """The count of the local tokenizer, unscaled."""
@@ -94,7 +99,16 @@ class Target:
             template_revision=self.route.template.revision,
             image_formula=self.route.model.image_formula,
             memo=self.counts,
+            known=self.known,
         )
+
+
+def provider_counted(model: ModelSpec, local: Count) -> bool:
+    """Whether the provider counts a payload of ``model`` whose local count is ``local``: always for a
+    provider-counted model, and for a model with a ``bound_counter`` when the local count is only a bound."""
+    if model.provider_counter is not None:
+        return True
+    return model.bound_counter is not None and local.method == "UPPER_BOUND"
 
 
 def final_payload(route: Route, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
@@ -118,8 +132,8 @@ class Calibration:
     """The payload digest of each state measured, by identity (a state measured twice is digested once)."""
 
     def scale_for(self, model: ModelSpec) -> Scale | None:
-        """The scale of ``model`` (shared by every target of it), or None for a locally exact model."""
-        if model.provider_counter is None:
+        """The scale of ``model`` (shared by every target of it), or None for a model no provider counts."""
+        if model.provider_counter is None and model.bound_counter is None:
             return None
         return self.scales.setdefault(model.id, Scale())
 
@@ -169,6 +183,8 @@ class Request:
     digests_before: dict[str, str]
     calibration: Calibration | None = None
     """Present when a provider counting API is available: provider-counted models are counted by it."""
+    known: TextCounts | None = None
+    """The process's segment counts by text (``count_stream``), or None."""
 
     @property
     def route(self) -> Route:
@@ -188,13 +204,13 @@ class Request:
         provider counting is available).
         """
         scale = None
-        if model.provider_counter is not None:
-            if self.calibration is None:
-                raise CountingUnavailable(
-                    f"{model.id} is counted by {model.provider_counter}; no counting API"
-                )
+        if model.provider_counter is not None and self.calibration is None:
+            raise CountingUnavailable(f"{model.id} is counted by {model.provider_counter}; no counting API")
+        if self.calibration is not None:
             scale = self.calibration.scale_for(model)
-        return Target(self.route_to(model), self.exact_counter(model), cache, render_memo, scale=scale)
+        return Target(
+            self.route_to(model), self.exact_counter(model), cache, render_memo, scale=scale, known=self.known
+        )
 
     def exact_counter(self, model: ModelSpec) -> SegmentCounter:
         """Return the exact counter of ``model``.

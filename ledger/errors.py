@@ -51,6 +51,12 @@ class LimitsChanged(Conflict):
     title = "The account's limits changed since the page was loaded"
 
 
+class RowChanged(Exception):
+    """A reservation read without a lock changed before its one write ran, so the write wrote nothing — or
+    the use case needs more than one write, which only its row's lock makes safe (an internal signal of the
+    ledger's services: the call runs again under the row's lock; never an answer)."""
+
+
 class HoldRefused(Exception):
     """A hold was refused by these accounts' limits and its statement wrote nothing (an internal signal of
     the ledger's services, turned into QuotaExceeded or a stay in the queue; never an answer)."""

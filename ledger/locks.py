@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from budgeting.catalog.models import ModelPool
+from budgeting.db.rows import fetch_rows
 from ledger.models import CapacityAccount, Hold, Reservation
 
 
@@ -32,7 +33,14 @@ def lock_reservation(
     # balances), the database clock and the pool's provider adapter and endpoint (what a dispatch records)
     # come with the row. Its other columns but the stored documents are the model's fields.
     params: list[Any] = [reservation_id] if tenant_ids is None else [reservation_id, list(tenant_ids)]
-    found = list(Reservation.objects.raw(_lock_sql(tenant_ids is not None), params))
+    found = fetch_rows(Reservation, _lock_sql(tenant_ids is not None, locked=True), params)
+    return found[0] if found else None
+
+
+def read_reservation(reservation_id: uuid.UUID, tenant_ids: Iterable[int]) -> Reservation | None:
+    """``lock_reservation``'s read WITHOUT the lock, with the row's version (``row_version``, its xmin): for a
+    write that is conditional on that version (``statements.move_balances``' ``unchanged_since``)."""
+    found = fetch_rows(Reservation, _lock_sql(True, locked=False), [reservation_id, list(tenant_ids)])
     return found[0] if found else None
 
 
@@ -41,7 +49,7 @@ _DEFERRED = ("request_body", "response_body")
 
 
 @functools.cache
-def _lock_sql(scoped: bool) -> str:
+def _lock_sql(scoped: bool, *, locked: bool) -> str:
     columns = ", ".join(
         f'r."{f.column}"' for f in Reservation._meta.concrete_fields if f.attname not in _DEFERRED
     )
@@ -50,9 +58,10 @@ def _lock_sql(scoped: bool) -> str:
         f"SELECT {columns},"
         f" ARRAY(SELECT h.account_id FROM {Hold._meta.db_table} h WHERE h.reservation_id = r.id"
         "  ORDER BY h.account_id) AS held_account_ids,"
-        " clock_timestamp() AS db_now, p.adapter AS pool_adapter, p.provider_base_url AS pool_endpoint"
+        " clock_timestamp() AS db_now, p.adapter AS pool_adapter, p.provider_base_url AS pool_endpoint,"
+        " r.xmin::text AS row_version"
         f" FROM {Reservation._meta.db_table} r JOIN {ModelPool._meta.db_table} p ON p.id = r.model_pool_id"
-        f" WHERE r.id = %s{tenants} FOR UPDATE OF r"
+        f" WHERE r.id = %s{tenants}{' FOR UPDATE OF r' if locked else ''}"
     )
 
 

@@ -38,11 +38,13 @@ from typing import Any
 from django.db import DatabaseError, connection
 
 from budgeting.db.cursor import prepared_cursor
-from ledger.errors import HoldRefused
+from ledger.errors import HoldRefused, RowChanged
 from ledger.models import BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
 
 # The SQLSTATE of ledger_require_holds (migration ledger 0009): a hold refused by an account's limits.
 REFUSED_SQLSTATE = "TB429"
+# The SQLSTATE of ledger_require_unchanged (migration ledger 0013): a reservation changed since it was read.
+CHANGED_SQLSTATE = "TB409"
 
 
 def _columns(row: str, columns: Sequence[str], between: str = ", ") -> str:
@@ -168,8 +170,8 @@ def _refused_accounts(error: DatabaseError) -> set[int] | None:
     return {int(part) for part in cause.diag.message_detail.split(",")}
 
 
-@functools.lru_cache(maxsize=16)
-def _moves_sql(rows: int, checked: bool) -> str:
+@functools.lru_cache(maxsize=32)
+def _moves_sql(rows: int, checked: bool, after_w0: bool) -> str:
     types = _types()
     row = ", ".join(["%s::int", "%s::bigint", "%s", "%s", *(f"%s::{types[c]}" for c in BALANCES)])
     values = ", ".join([f"({row})"] * rows)
@@ -188,7 +190,8 @@ def _moves_sql(rows: int, checked: bool) -> str:
     return f"""m(ord, account_id, kind, reason, {", ".join(BALANCES)}) AS (VALUES {values}),
 locked AS (
     SELECT id, period_start, (currency = %s::text)::int AS money FROM ledger_capacityaccount
-     WHERE id IN (SELECT account_id FROM m) ORDER BY id FOR UPDATE),
+     WHERE id IN (SELECT account_id FROM m){" AND EXISTS (SELECT FROM w0)" if after_w0 else ""}
+     ORDER BY id FOR UPDATE),
 s AS (
     SELECT m.account_id, {sums} FROM m JOIN locked AS l ON l.id = m.account_id
      GROUP BY m.account_id, l.money),
@@ -213,23 +216,41 @@ def move_balances(
     *,
     checked: bool = False,
     currency: str = "",
+    unchanged_since: str | None = None,
 ) -> set[int]:
     """Run ``writes`` (a reservation's UPDATE, new rows' INSERTs) and ``moves`` — rows of (order, account id,
     kind, reason, one amount per balance of ``BALANCES``) — in ONE statement; returns the accounts whose
     balances moved. With ``checked`` an account moves only where ``within_limits`` holds (the caller rolls
     its transaction back when one is missing). The moves' money is in ``currency``: an entry that would move
-    nothing on an account of another currency is not written."""
+    nothing on an account of another currency is not written.
+
+    ``unchanged_since`` (the reservation row's version when it was read without a lock, ``writes[0]`` being
+    its UPDATE): the UPDATE applies only to that version, it runs before the accounts are locked (the lock
+    order of ``ledger/locks.py``), and when it matched nothing ``ledger_require_unchanged`` undoes the whole
+    statement: RowChanged."""
     ctes = [f"w{n} AS ({sql})" for n, (sql, _) in enumerate(writes)]
     params: list[Any] = [value for _, values in writes for value in values]
+    guard = "true"
+    if unchanged_since is not None:
+        ctes[0] = f"w0 AS ({writes[0][0]} AND xmin = %s::text::xid RETURNING 1)"
+        params.insert(len(writes[0][1]), unchanged_since)
+        guard = "ledger_require_unchanged(EXISTS (SELECT FROM w0))"
     moved = "SELECT 1 WHERE false"
     if moves:
-        ctes.append(_moves_sql(len(moves), checked))
+        ctes.append(_moves_sql(len(moves), checked, unchanged_since is not None))
         params.extend(value for row in moves for value in row)
         params.extend([currency, reservation_id])
         moved = "SELECT id FROM upd"
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"WITH {', '.join(ctes)} SELECT COALESCE(array_agg(id), '{{}}') FROM ({moved}) AS x(id)", params
-        )
-        (ids,) = cursor.fetchone()
+    try:
+        with prepared_cursor() as cursor:
+            cursor.execute(
+                f"WITH {', '.join(ctes)} SELECT {guard}, COALESCE(array_agg(id), '{{}}')"
+                f" FROM ({moved}) AS x(id)",
+                params,
+            )
+            _, ids = cursor.fetchone()
+    except DatabaseError as error:
+        if getattr(error.__cause__, "sqlstate", None) == CHANGED_SQLSTATE:
+            raise RowChanged from None
+        raise
     return set(ids)

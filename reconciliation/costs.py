@@ -6,8 +6,10 @@ prices frozen on it at admission), never a price looked up now. Two sources bill
 - a per-request export with ``cost`` and ``currency`` columns (the simulator's export writes them): each
   billed request is matched to our reservation by its provider id, so the drift is exact per model revision
   and per account the reservation held on;
-- a cost report by UTC bucket (OpenAI's Costs API pages, and the simulator's), whose line items name the model
-  (``"<model>, input"``): compared per model revision and bucket with the reservations dispatched in it.
+- a cost report by UTC bucket (OpenAI's Costs API pages, Anthropic's cost report, and the simulator's in both
+  shapes), whose line items name the model (``"<model>, input"``; ``CostRecord.model``): compared per model
+  revision and bucket with the reservations dispatched in it. A bucket's cost cannot be told apart per
+  account (the reports know workspaces and projects, not our accounts), so its drift is per model only.
 
 Each comparison is a ``CostDrift`` row of the import; a difference is also a ``COST_DRIFT`` finding.
 """
@@ -110,7 +112,7 @@ def compare_bucket_costs(
         {
             (model, r.currency.upper(), r.bucket_start, r.bucket_end)
             for r in records
-            if (model := model_of_line_item(r.line_item)) is not None
+            if (model := r.model) is not None
         }
     )
     rows = []
@@ -136,14 +138,6 @@ def compare_bucket_costs(
         )
     CostDrift.objects.bulk_create(rows)
     return _findings(billing_import, rows)
-
-
-def model_of_line_item(line_item: str | None) -> str | None:
-    """The model a cost line item names (``"gpt-4o-2024-08-06, input"``), or None."""
-    if not line_item or "," not in line_item:
-        return None
-    model = line_item.rsplit(",", 1)[0].strip()
-    return model or None
 
 
 def _findings(billing_import: BillingImport, rows: Iterable[CostDrift]) -> list[BillingFinding]:

@@ -10,7 +10,7 @@ from django.db import models
 class BillingImport(models.Model):
     source = models.CharField(max_length=200, help_text="File name or task that supplied the export.")
     fmt = models.CharField(
-        max_length=16, help_text="csv, jsonl, openai-usage, openai-costs or anthropic-usage"
+        max_length=16, help_text="csv, jsonl, openai-usage, openai-costs, anthropic-usage or anthropic-costs"
     )
     content_sha256 = models.CharField(
         max_length=64,

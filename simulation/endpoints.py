@@ -27,6 +27,7 @@ REPORTS: Final[Mapping[str, Report]] = {
     "/v1/organization/usage/completions": provider_shapes.openai_usage,
     "/v1/organization/costs": provider_shapes.openai_costs,
     "/v1/organizations/usage_report/messages": provider_shapes.anthropic_usage,
+    "/v1/organizations/cost_report": provider_shapes.anthropic_costs,
 }
 _MAX_REQUEST_ID_LENGTH: Final = 256
 _GEMINI_PREFIX: Final = "/v1beta/models/"

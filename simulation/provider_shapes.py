@@ -4,7 +4,8 @@
   completions buckets (``GET /v1/organization/usage/completions``) and the Costs API
   (``GET /v1/organization/costs``, priced at ``PRICES``);
 - Anthropic: the Usage & Cost Admin API's message usage report
-  (``GET /v1/organizations/usage_report/messages``).
+  (``GET /v1/organizations/usage_report/messages``) and its cost report
+  (``GET /v1/organizations/cost_report``, priced at ``PRICES``, amounts in cents as decimal strings).
 
 Buckets cover billed requests by start time; grouping follows ``group_by`` (fields not grouped by are null and
 added up). Pages hold ``limit`` buckets, the cursor being the next bucket's index.
@@ -22,7 +23,9 @@ from simulation.completions import usage_object
 
 WIDTHS: Final = {"1m": timedelta(minutes=1), "1h": timedelta(hours=1), "1d": timedelta(days=1)}
 PRICES: Final = {"input": Decimal("0.000001"), "output": Decimal("0.000004")}
-"""US dollars per token: what the simulated Costs API charges."""
+"""US dollars per token: what the simulated Costs API and cost report charge."""
+_ANTHROPIC_TOKEN_TYPES: Final = {"input": "uncached_input_tokens", "output": "output_tokens"}
+_CENTS: Final = 100
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -115,6 +118,39 @@ def anthropic_usage(entries: Sequence[BillingEntry], query: Mapping[str, list[st
         ]
 
     return _page(entries, query, width, start, end, groups, result, openai=False)
+
+
+def anthropic_costs(entries: Sequence[BillingEntry], query: Mapping[str, list[str]]) -> dict[str, Any]:
+    """A page of the daily cost report: grouped by description, one result per model and token type, else
+    one total; amounts in cents (the currency's lowest units) as decimal strings."""
+    width, start, end = _window(query, "starting_at", "ending_at", _rfc3339)
+    if width != WIDTHS["1d"]:
+        raise QueryError("bucket_width must be 1d")
+    groups = _groups(query, {"workspace_id", "description"})
+    described = "description" in groups
+
+    def results(rows: list[BillingEntry], dims: Mapping[str, str | None]) -> list[dict[str, Any]]:
+        lines: dict[tuple[str, str] | None, Decimal] = {}
+        for row in rows:
+            for direction, tokens in (("input", row.prompt_tokens), ("output", row.completion_tokens)):
+                item = (row.model, direction) if described else None
+                lines[item] = lines.get(item, Decimal(0)) + tokens * PRICES[direction] * _CENTS
+        return [
+            {
+                "amount": f"{amount:f}",
+                "currency": "USD",
+                "description": None if item is None else f"{item[0]} Usage - {item[1].title()} Tokens",
+                "model": None if item is None else item[0],
+                "cost_type": "tokens" if described else None,
+                "token_type": None if item is None else _ANTHROPIC_TOKEN_TYPES[item[1]],
+                "service_tier": "standard" if described else None,
+                "context_window": "0-200k" if described else None,
+                "workspace_id": dims.get("workspace_id"),
+            }
+            for item, amount in sorted(lines.items(), key=lambda pair: pair[0] or ("", ""))
+        ]
+
+    return _page(entries, query, width, start, end, groups - {"description"}, results, openai=False)
 
 
 def _one(query: Mapping[str, list[str]], name: str) -> str | None:

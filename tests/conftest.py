@@ -14,7 +14,7 @@ def redis_db():
     client.ping()
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)
-    count_cache().local.clear()
+    count_cache().forget_local()
     yield client
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django import forms
@@ -24,9 +25,10 @@ from budgeting.backoffice.account_display import (
     dimensions,
     limit_rows,
     limit_warnings,
+    shown_as,
     usage_bar,
 )
-from budgeting.backoffice.formats import CountField, count, signed, unit_price
+from budgeting.backoffice.formats import CountField, MoneyField, count, signed, signed_micro_money
 from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     ReasonForm,
@@ -43,10 +45,15 @@ from budgeting.backoffice.kit import (
 )
 from budgeting.backoffice.reports.spend import RUN_RATE_DAYS, account_spend
 from budgeting.catalog.models import TemporaryIncrease
-from budgeting.catalog.prices import from_micro
+from budgeting.catalog.prices import from_micro, to_micro
 from ledger.models import CapacityAccount, LedgerEntry
 from ledger.periods import period_start_for
 from ledger.services import limits
+
+
+def _micro(amount: Decimal | None) -> int | None:
+    """A money amount the form read (at most micro-unit precision) in the micro-units the ledger keeps."""
+    return None if amount is None else to_micro(amount)
 
 
 class OptionalLimit(CountField):
@@ -57,26 +64,47 @@ class OptionalLimit(CountField):
 
 
 class LimitsForm(StepForm):
+    """The limits edit; ``limits_form`` adds the spend limit in the account's currency."""
+
     input_limit = OptionalLimit(label="Permanent input tokens per period")
     output_limit = OptionalLimit(label="Permanent output tokens per period")
     concurrency_limit = OptionalLimit(label="Permanent concurrent requests")
+    # The limits in force the person saw (spend in micro-units), for the service's compare-and-swap.
     expected_input = OptionalLimit(widget=forms.HiddenInput)
     expected_output = OptionalLimit(widget=forms.HiddenInput)
     expected_concurrency = OptionalLimit(widget=forms.HiddenInput)
+    expected_spend = OptionalLimit(widget=forms.HiddenInput)
     acknowledge = forms.BooleanField(
         required=False, label="I understand that new requests will be refused on this account"
     )
-    field_order = ["input_limit", "output_limit", "concurrency_limit", "reason"]
+    field_order = ["input_limit", "output_limit", "concurrency_limit", "spend_limit", "reason"]
+
+
+def limits_form(currency: str) -> type[LimitsForm]:
+    """The limits form of an account kept in ``currency``: its spend limit is an amount of that currency."""
+
+    class AccountLimitsForm(LimitsForm):
+        spend_limit = MoneyField(
+            currency=currency,
+            required=False,
+            label=f"Permanent spend per period ({currency})",
+            help_text=f"An amount in {currency}, e.g. 5,000.00; empty means no spend limit (spend is still "
+            "tracked).",
+        )
+
+    return AccountLimitsForm
 
 
 class IncreaseForm(StepForm):
+    """A temporary increase; ``increase_form`` adds its spend in the account's currency."""
+
     input_tokens = CountField(min_value=0, label="Extra input tokens")
     output_tokens = CountField(min_value=0, label="Extra output tokens")
     concurrency = CountField(min_value=0, label="Extra concurrent requests")
     expires_at = forms.DateTimeField(
         label="Expires at (UTC)", widget=forms.DateTimeInput(attrs={"type": "datetime-local"})
     )
-    field_order = ["input_tokens", "output_tokens", "concurrency", "expires_at", "reason"]
+    field_order = ["input_tokens", "output_tokens", "concurrency", "spend", "expires_at", "reason"]
 
     def clean_expires_at(self) -> datetime:
         value: datetime = self.cleaned_data["expires_at"]
@@ -86,9 +114,23 @@ class IncreaseForm(StepForm):
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
-        if not any(data.get(k) for k in ("input_tokens", "output_tokens", "concurrency")):
+        if not any(data.get(k) for k in ("input_tokens", "output_tokens", "concurrency", "spend")):
             raise forms.ValidationError("Increase at least one dimension.")
         return data
+
+
+def increase_form(currency: str) -> type[IncreaseForm]:
+    """The temporary increase form of an account kept in ``currency``: extra spend is an amount of it."""
+
+    class AccountIncreaseForm(IncreaseForm):
+        spend = MoneyField(
+            currency=currency,
+            required=False,
+            label=f"Extra spend per period ({currency})",
+            help_text=f"An amount in {currency}, e.g. 500.00; empty adds none.",
+        )
+
+    return AccountIncreaseForm
 
 
 class CorrectionForm(StepForm):
@@ -141,10 +183,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
         "pool",
         "period",
         "period_start",
-        "spend_limit_amount",
-        "spend_held",
-        "spend_posted",
-        "spend_available",
+        "currency",
         "last_movement",
         "last_change",
     ]
@@ -160,28 +199,6 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[CapacityAccount]:
         return super().get_queryset(request).select_related("tenant", "task_class", "pool")
-
-    # Money is kept in micro-units of the account's currency; shown exactly (every micro-unit it has).
-    @admin.display(description="spend limit per period")
-    def spend_limit_amount(self, obj: CapacityAccount) -> str:
-        if obj.spend_limit is None:
-            return f"none (spend in {obj.currency} is tracked)"
-        return unit_price(from_micro(obj.spend_limit), obj.currency)
-
-    @admin.display(description="spend held by open reservations")
-    def spend_held(self, obj: CapacityAccount) -> str:
-        return unit_price(from_micro(obj.spend_reserved), obj.currency)
-
-    @admin.display(description="spend posted this period")
-    def spend_posted(self, obj: CapacityAccount) -> str:
-        return unit_price(from_micro(obj.spend_consumed), obj.currency)
-
-    @admin.display(description="spend available")
-    def spend_available(self, obj: CapacityAccount) -> str:
-        if obj.spend_limit is None:
-            return "unlimited"
-        left = max(obj.spend_limit - obj.spend_reserved - obj.spend_consumed, 0)
-        return unit_price(from_micro(left), obj.currency)
 
     @admin.display(description="account", ordering="id")
     def label(self, obj: CapacityAccount) -> SafeString:
@@ -204,10 +221,11 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
     def usage(self, obj: CapacityAccount) -> SafeString:
         used = limits.used(obj)
         return format_html(
-            '<div class="tb-bars">{}{}{}</div>',
+            '<div class="tb-bars">{}{}{}{}</div>',
             usage_bar("in", used["input"], obj.input_limit),
             usage_bar("out", used["output"], obj.output_limit),
             usage_bar("conc", used["concurrency"], obj.concurrency_limit),
+            usage_bar("spend", used["spend"], obj.spend_limit, shown_as("spend", obj.currency)),
         )
 
     @admin.display(description="last balance movement")
@@ -249,12 +267,12 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
     def limits_view(self, request: HttpRequest, account_id: int) -> HttpResponse:
         require(request, "ledger.change_capacityaccount")
         account = self.object_or_404(request, account_id)
-        current = (account.input_limit, account.output_limit, account.concurrency_limit)
+        current = limits.limits_in_force(account)
         # The form edits the permanent limits; active temporary increases are shown apart and stay on top.
         increases = limits.active_increases(account)
         permanent = [
             None if limit is None else limit - increases[name]
-            for name, limit in zip(("input", "output", "concurrency"), current, strict=True)
+            for name, limit in zip(limits.DIMENSIONS, current, strict=True)
         ]
 
         def previewed(data: dict[str, Any]) -> list[limits.DimensionPreview]:
@@ -263,12 +281,13 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
                 input_limit=data["input_limit"],
                 output_limit=data["output_limit"],
                 concurrency_limit=data["concurrency_limit"],
+                spend_limit=_micro(data["spend_limit"]),
                 increases=increases,
             )
 
         def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
             dims = previewed(data)
-            return limit_rows(dims), limit_warnings(dims)
+            return limit_rows(dims, account.currency), limit_warnings(dims, account.currency)
 
         def apply(data: dict[str, Any]) -> str:
             limits.set_permanent_limits(
@@ -276,7 +295,13 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
                 input_limit=data["input_limit"],
                 output_limit=data["output_limit"],
                 concurrency_limit=data["concurrency_limit"],
-                expected=(data["expected_input"], data["expected_output"], data["expected_concurrency"]),
+                spend_limit=_micro(data["spend_limit"]),
+                expected=(
+                    data["expected_input"],
+                    data["expected_output"],
+                    data["expected_concurrency"],
+                    data["expected_spend"],
+                ),
                 reason=data["reason"],
                 actor=actor(request),
             )
@@ -287,9 +312,10 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             request,
             self,
             account,
-            LimitsForm,
+            limits_form(account.currency),
             title=f"Edit limits of {account}",
-            lead="These are the account's permanent limits; empty means unlimited. "
+            lead="These are the account's permanent limits; empty means unlimited. The spend limit is an "
+            f"amount in {account.currency} per period, held with the tokens at the prices in force. "
             + (
                 "Its active temporary increases (below) stay on top of them and end by themselves. "
                 if any(increases.values())
@@ -305,9 +331,11 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
                 "input_limit": permanent[0],
                 "output_limit": permanent[1],
                 "concurrency_limit": permanent[2],
+                "spend_limit": None if permanent[3] is None else from_micro(permanent[3]),
                 "expected_input": current[0],
                 "expected_output": current[1],
                 "expected_concurrency": current[2],
+                "expected_spend": current[3],
                 "step": "edit",
             },
             edit_context={
@@ -325,14 +353,20 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
         def preview(data: dict[str, Any]) -> tuple[list[Row], list[str]]:
             rows: list[Row] = []
             warnings = []
-            for name, limit, extra in (
-                ("input limit (tokens)", account.input_limit, data["input_tokens"]),
-                ("output limit (tokens)", account.output_limit, data["output_tokens"]),
-                ("concurrency limit (requests)", account.concurrency_limit, data["concurrency"]),
+            for name, limit, extra, show in (
+                ("input limit (tokens)", account.input_limit, data["input_tokens"], count),
+                ("output limit (tokens)", account.output_limit, data["output_tokens"], count),
+                ("concurrency limit (requests)", account.concurrency_limit, data["concurrency"], count),
+                (
+                    f"spend limit ({account.currency})",
+                    account.spend_limit,
+                    _micro(data["spend"]) or 0,
+                    shown_as("spend", account.currency),
+                ),
             ):
                 if extra and limit is None:
                     warnings.append(f"{name} is unlimited: there is nothing to increase.")
-                rows.append((name, count(limit), count(None if limit is None else limit + extra), False))
+                rows.append((name, show(limit), show(None if limit is None else limit + extra), False))
             rows.append(("until", "", f"{data['expires_at']:%Y-%m-%d %H:%M} UTC", False))
             return rows, warnings
 
@@ -342,6 +376,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
                 input_tokens=data["input_tokens"],
                 output_tokens=data["output_tokens"],
                 concurrency=data["concurrency"],
+                spend=_micro(data["spend"]) or 0,
                 expires_at=data["expires_at"],
                 reason=data["reason"],
                 actor=actor(request),
@@ -353,7 +388,7 @@ class CapacityAccountAdmin(ReadOnlyAdmin[CapacityAccount]):
             request,
             self,
             account,
-            IncreaseForm,
+            increase_form(account.currency),
             title=f"Temporary increase on {account}",
             lead="The amounts are added to the limits now and taken off again at the expiry.",
             submit="Grant increase",
@@ -417,6 +452,7 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
         "input_col",
         "output_col",
         "concurrency_col",
+        "spend_col",
         "starts_at",
         "expires_at",
         "status",
@@ -428,6 +464,19 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
     search_fields = ["reason", "created_by", "account__tenant__slug", "account__pool__slug"]
     actions = ["revoke", "end_expired"]
     list_select_related = ["account__tenant", "account__task_class", "account__pool"]
+    fields = [
+        "account",
+        "input_tokens",
+        "output_tokens",
+        "concurrency",
+        "spend_col",
+        "starts_at",
+        "expires_at",
+        "reason",
+        "created_by",
+        "ended_at",
+        "end_reason",
+    ]
 
     @admin.display(description="account")
     def account_link(self, obj: TemporaryIncrease) -> str:
@@ -444,6 +493,10 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
     @admin.display(description="extra concurrent requests", ordering="concurrency")
     def concurrency_col(self, obj: TemporaryIncrease) -> str:
         return signed(obj.concurrency)
+
+    @admin.display(description="extra spend", ordering="spend")
+    def spend_col(self, obj: TemporaryIncrease) -> str:
+        return signed_micro_money(obj.spend, obj.account.currency)
 
     @admin.display(description="status")
     def status(self, obj: TemporaryIncrease) -> str:

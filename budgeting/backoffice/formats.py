@@ -3,7 +3,8 @@ separators ("2,000,000"), signed movements ("+2,000,000", "-1,600"), money at it
 its symbol ("$2.36"), and unit prices (per 1M tokens) with the digits they have.
 
 Templates use the same functions as filters (``{% load tb_formats %}``); a form field reading a count
-(``CountField``) accepts what it shows ("12,000,000").
+(``CountField``) accepts what it shows ("12,000,000"), and one reading money (``MoneyField``) an amount of its
+currency as finance writes it ("5,000.00"), exactly as a ``Decimal``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ MINOR_UNITS = {
 # Separators a person may type inside a number: commas, spaces (also the narrow no-break ones), underscores.
 _SEPARATORS = re.compile(r"[,_\s\u00a0\u202f]")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
+_AMOUNT = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+# The largest amount a BIGINT column holds in micro-units.
+MAX_MONEY = Decimal(2**63 - 1).scaleb(-MAX_MONEY_PLACES)
 
 
 def count(value: int | None) -> str:
@@ -107,9 +111,30 @@ def unit_price(amount: Decimal | str | None, currency: str | None) -> str:
     if amount is None or not currency:
         return "—"
     value = Decimal(amount)
+    return _with_currency(amount_digits(abs(value), currency), currency, negative=value < 0)
+
+
+def micro_money(micro: int | None, currency: str) -> str:
+    """Micro-units of ``currency`` (the ledger's money) as finance reads them, exactly: "$5,000.00",
+    "$0.000125"; none (no limit) is "∞"."""
+    return UNLIMITED if micro is None else unit_price(Decimal(micro).scaleb(-MAX_MONEY_PLACES), currency)
+
+
+def signed_micro_money(micro: int | None, currency: str) -> str:
+    """A movement of micro-units with its sign: "+$500.00", "-$1.20", "0"; none is "—"."""
+    if micro is None:
+        return "—"
+    if not micro:
+        return "0"
+    return ("+" if micro > 0 else "") + micro_money(micro, currency)
+
+
+def amount_digits(value: Decimal, currency: str) -> str:
+    """An amount's digits with separators, at least at its currency's precision and with every further digit
+    it has ("5,000.00", "0.0375"): nothing rounded away."""
     exponent = value.normalize().as_tuple().exponent
     places = max(minor_units(currency), -exponent if isinstance(exponent, int) else 0)
-    return _with_currency(f"{abs(value):,.{places}f}", currency, negative=value < 0)
+    return f"{value:,.{places}f}"
 
 
 def _with_currency(digits: str, currency: str, *, negative: bool) -> str:
@@ -139,6 +164,19 @@ def parse_count(text: str) -> int:
     if not _INTEGER.fullmatch(cleaned):
         raise ValueError(text)
     return int(cleaned)
+
+
+def parse_money(text: str, currency: str) -> Decimal:
+    """A non-negative amount of ``currency`` typed by a person: "5,000.00", "5 000", "0.25", "$5,000" (its
+    symbol is optional), exactly as written. Raises ValueError for anything else, a sign or another
+    currency's symbol included."""
+    cleaned = _SEPARATORS.sub("", text)
+    symbol = CURRENCY_SYMBOLS.get(currency.upper())
+    if symbol:
+        cleaned = cleaned.removeprefix(symbol)
+    if not _AMOUNT.fullmatch(cleaned):
+        raise ValueError(text)
+    return Decimal(cleaned)
 
 
 class CountInput(forms.TextInput):
@@ -174,3 +212,53 @@ class CountField(forms.IntegerField):
     def widget_attrs(self, widget: forms.Widget) -> dict[str, Any]:
         # IntegerField would add min/max/step attributes that only a number input understands.
         return {}
+
+
+class MoneyField(forms.Field):
+    """A non-negative amount of ``currency``, typed with or without thousands separators, read exactly as a
+    ``Decimal`` (never a float) with at most micro-unit precision: the amount money columns keep in integer
+    micro-units. Empty is None. Shown as finance reads it ("5,000.00"), without the symbol."""
+
+    default_error_messages = {
+        "invalid": "Enter an amount, e.g. 5,000.00.",
+        "negative": "An amount cannot be negative.",
+        "precision": f"At most {MAX_MONEY_PLACES} decimal places (a micro-unit of %(currency)s).",
+        "too_large": "The amount is too large.",
+    }
+
+    def __init__(self, *, currency: str, **kwargs: Any) -> None:
+        self.currency = currency
+        kwargs.setdefault(
+            "widget",
+            forms.TextInput(attrs={"inputmode": "decimal", "autocomplete": "off", "class": "tb-count"}),
+        )
+        super().__init__(**kwargs)
+
+    def to_python(self, value: Any) -> Decimal | None:
+        if value in self.empty_values:
+            return None
+        if isinstance(value, Decimal):
+            amount = value
+        else:
+            text = str(value).strip()
+            if text.startswith("-"):
+                raise ValidationError(self.error_messages["negative"], code="negative")
+            try:
+                amount = parse_money(text, self.currency)
+            except ValueError:
+                raise ValidationError(self.error_messages["invalid"], code="invalid") from None
+        if amount < 0:
+            raise ValidationError(self.error_messages["negative"], code="negative")
+        # Checked first: a quantize beyond the context's 28 digits would raise.
+        if amount > MAX_MONEY:
+            raise ValidationError(self.error_messages["too_large"], code="too_large")
+        if amount != amount.quantize(Decimal(1).scaleb(-MAX_MONEY_PLACES), rounding=ROUND_HALF_UP):
+            raise ValidationError(
+                self.error_messages["precision"], code="precision", params={"currency": self.currency}
+            )
+        return amount
+
+    def prepare_value(self, value: Any) -> Any:
+        if isinstance(value, Decimal):
+            return amount_digits(value, self.currency)
+        return value

@@ -387,7 +387,8 @@ class Price(models.Model):
 
 
 class TemporaryIncrease(models.Model):
-    """Extra limit granted on a capacity account until ``expires_at``.
+    """Extra limit granted on a capacity account until ``expires_at``: tokens, concurrent requests, and spend
+    (micro-units of the account's currency).
 
     Granting adds the amounts to the account's limits; expiry or revocation subtracts them again
     (``ledger.services.limits``), so admission keeps reading one limit per dimension.
@@ -399,6 +400,7 @@ class TemporaryIncrease(models.Model):
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     concurrency = models.IntegerField(default=0)
+    spend = models.BigIntegerField(default=0, help_text="Micro-units of the account's currency.")
     starts_at = models.DateTimeField()
     expires_at = models.DateTimeField()
     reason = models.TextField()
@@ -410,11 +412,17 @@ class TemporaryIncrease(models.Model):
         ordering = ["-starts_at"]
         constraints = [
             models.CheckConstraint(
-                condition=Q(input_tokens__gte=0) & Q(output_tokens__gte=0) & Q(concurrency__gte=0),
+                condition=Q(input_tokens__gte=0)
+                & Q(output_tokens__gte=0)
+                & Q(concurrency__gte=0)
+                & Q(spend__gte=0),
                 name="temporary_increase_non_negative",
             ),
             models.CheckConstraint(
-                condition=Q(input_tokens__gt=0) | Q(output_tokens__gt=0) | Q(concurrency__gt=0),
+                condition=Q(input_tokens__gt=0)
+                | Q(output_tokens__gt=0)
+                | Q(concurrency__gt=0)
+                | Q(spend__gt=0),
                 name="temporary_increase_not_empty",
             ),
             models.CheckConstraint(

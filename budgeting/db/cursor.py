@@ -22,7 +22,7 @@ class _PreparingCursor(psycopg.RawCursor[Any]):
         return super().execute(_numbered(query), params, prepare=True, binary=binary)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _numbered(sql: str) -> str:
     """``sql`` with its ``%s`` placeholders numbered as PostgreSQL's ($1, $2, …). psycopg would find them
     itself on every call for a statement as long as the reserving one (it caches the result only for
@@ -57,8 +57,9 @@ def this_connection() -> BaseDatabaseWrapper:
     return connections[DEFAULT_DB_ALIAS]
 
 
-# The hot path runs a handful of statements through this cursor; more would mean texts that vary.
-_MAX_KEPT = 16
+# The hot path runs a few dozen statements through this cursor (the admission's, and each lifecycle call's
+# shapes: its reservation UPDATE's changed columns, its number of moves); more would mean texts that vary.
+_MAX_KEPT = 64
 
 
 class _Kept:

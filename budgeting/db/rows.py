@@ -9,28 +9,39 @@ It relies on ``Field.pre_save`` / ``get_db_prep_save`` and the concrete field cl
 
 from __future__ import annotations
 
+import copy
 import functools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import connection, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
 from django.db.models.sql import UpdateQuery
 
-from budgeting.db.cursor import this_connection
+from budgeting.db.cursor import prepared_cursor, this_connection
+
+_M = TypeVar("_M", bound=models.Model)
 
 
 def update_sql(row: models.Model) -> tuple[str, list[Any]]:
     """The row's UPDATE as ``save()`` would run it (auto_now fields included): the fields it loaded (a
-    deferred one it never read is left as it is). Each value is its field's ``get_db_prep_save`` of its
+    deferred one it never read is left as it is) — or, for a row read by ``fetch_rows``, only the fields whose
+    value changed since (and the auto_now ones). Each value is its field's ``get_db_prep_save`` of its
     ``pre_save``, as the compiler sends it, and the text is built once per model and columns; a value that is
     an expression (or a model instance) goes through Django's compiler, which knows how to write it."""
     model = type(row)
     deferred = row.get_deferred_fields()
     fields = [f for f in model._meta.concrete_fields if not f.primary_key and f.attname not in deferred]
+    loaded: dict[str, Any] | None = getattr(row, _LOADED, None)
+    if loaded is not None:
+        fields = [
+            f
+            for f in fields
+            if getattr(f, "auto_now", False) or loaded.get(f.attname, _UNREAD) != getattr(row, f.attname)
+        ]
     values = [f.pre_save(row, False) for f in fields]
     if any(
         hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save") for value in values
@@ -46,6 +57,71 @@ def update_sql(row: models.Model) -> tuple[str, list[Any]]:
     assert pk is not None
     params.append(pk.get_db_prep_value(row.pk, db))
     return _update_statement(model, tuple(f.column for f in fields)), params
+
+
+# Where ``fetch_rows`` keeps the values a row was read with (Django's documented ``from_db`` pattern).
+_LOADED = "_loaded_values"
+_UNREAD = object()
+
+
+def fetch_rows(model: type[_M], sql: str, params: Sequence[Any]) -> list[_M]:
+    """``model.objects.raw(sql, params)`` on the hot path's prepared cursor (the statement is prepared once
+    per connection and its parameters bound on the server). A column named as one of the model's fields
+    fills that field (through the field's converters, as Django's compiler applies them); a field the
+    statement does not return is deferred; any other column becomes an attribute of the same name. Each row
+    keeps the values it was read with, so that ``update_sql`` writes only what changed."""
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, list(params))
+        names = tuple(column.name for column in cursor.description)
+        rows = cursor.fetchall()
+    plan = _read_plan(model, names)
+    db = this_connection()
+    out = []
+    for row in rows:
+        values = [row[index] for index, _ in plan.fields]
+        for position, converters in plan.converters:
+            for convert in converters:
+                values[position] = convert(values[position], None, db)
+        instance = model.from_db(db.alias, plan.attnames, values)
+        for index, name in plan.extras:
+            setattr(instance, name, row[index])
+        setattr(
+            instance,
+            _LOADED,
+            {
+                name: copy.deepcopy(value) if isinstance(value, list | dict) else value
+                for name, value in zip(plan.attnames, values, strict=True)
+            },
+        )
+        out.append(instance)
+    return out
+
+
+@dataclass(frozen=True)
+class _ReadPlan:
+    fields: tuple[tuple[int, models.Field[Any, Any]], ...]
+    """(column index, field), in the model's concrete field order (``from_db`` takes them so)."""
+    attnames: tuple[str, ...]
+    converters: tuple[tuple[int, tuple[Any, ...]], ...]
+    """(position in ``fields``, the field's converters), for the fields that have any."""
+    extras: tuple[tuple[int, str], ...]
+
+
+@functools.lru_cache(maxsize=32)
+def _read_plan(model: type[models.Model], names: tuple[str, ...]) -> _ReadPlan:
+    by_column = {f.column: f for f in model._meta.concrete_fields}
+    index = {name: n for n, name in enumerate(names)}
+    fields = tuple((index[f.column], f) for f in model._meta.concrete_fields if f.column in index)
+    db = this_connection()
+    converters = []
+    for position, (_, field) in enumerate(fields):
+        found = tuple(
+            [*db.ops.get_db_converters(field.get_col(model._meta.db_table)), *field.get_db_converters(db)]
+        )
+        if found:
+            converters.append((position, found))
+    extras = tuple((n, name) for n, name in enumerate(names) if name not in by_column)
+    return _ReadPlan(fields, tuple(f.attname for _, f in fields), tuple(converters), extras)
 
 
 @functools.lru_cache(maxsize=64)

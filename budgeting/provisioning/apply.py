@@ -231,11 +231,8 @@ def _set_limits(item: ObjectPlan, source: Source, now: datetime) -> None:
         input_limit=new[0],
         output_limit=new[1],
         concurrency_limit=new[2],
-        expected=(
-            item.observed["input_limit"],
-            item.observed["output_limit"],
-            item.observed["concurrency_limit"],
-        ),
+        spend_limit=new[3],
+        expected=tuple(item.observed[name] for name in LIMIT_FIELDS),
         reason=_reason(source, writes.values()),
         actor=source.actor,
     )

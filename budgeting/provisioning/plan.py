@@ -29,6 +29,7 @@ INCREASE_AMOUNTS = {
     "input_limit": "input_tokens",
     "output_limit": "output_tokens",
     "concurrency_limit": "concurrency",
+    "spend_limit": "spend",
 }
 """Which amount of a temporary increase rides on which account limit."""
 

@@ -1,7 +1,9 @@
 """The admin's number and money formats (``budgeting.backoffice.formats``) as template filters:
 ``{% load tb_formats %}`` then ``{{ n|count }}``, ``{{ delta|signed }}``, ``{{ amount|money:currency }}``,
-``{{ price|unit_price:currency }}``, ``{{ by_currency|amounts }}`` (``{{ by_currency|amounts:places }}`` at a
-column's decimals), ``{{ share|percent }}``, and ``{% money_in amount currency places %}``."""
+``{{ price|unit_price:currency }}``, ``{{ micro|micro_money:currency }}`` and
+``{{ micro|signed_micro_money:currency }}`` (the ledger's micro-units), ``{{ by_currency|amounts }}``
+(``{{ by_currency|amounts:places }}`` at a column's decimals), ``{{ share|percent }}``, and
+``{% money_in amount currency places %}``."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ from budgeting.backoffice import formats
 
 register = template.Library()
 
-for _name in ("count", "signed", "money", "unit_price", "amounts", "percent"):
+for _name in (
+    "count",
+    "signed",
+    "money",
+    "unit_price",
+    "micro_money",
+    "signed_micro_money",
+    "amounts",
+    "percent",
+):
     register.filter(_name, getattr(formats, _name))
 
 

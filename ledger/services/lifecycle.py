@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from budgeting.catalog.errors import Conflict, NotFound
+from budgeting.db.rows import fetch_rows
 from ledger import locks
 from ledger.errors import (
     InvalidTransition,
     PayloadChanged,
+    RowChanged,
     StaleFence,
     UsageEventConflict,
 )
@@ -36,6 +39,7 @@ from ledger.services.postings import (
     capture,
     held_account_ids,
     hold_top_up,
+    own_transaction,
     settle,
     top_up_cost,
 )
@@ -51,7 +55,10 @@ class RequestSent:
 
 
 def _locked(reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
-    reservation = locks.lock_reservation(reservation_id, tenant_ids)
+    return _checked(locks.lock_reservation(reservation_id, tenant_ids), fence)
+
+
+def _checked(reservation: Reservation | None, fence: int) -> Reservation:
     if reservation is None:
         raise NotFound("no such reservation")
     if fence != reservation.fence:
@@ -60,6 +67,40 @@ def _locked(reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) ->
             currentFence=reservation.fence,
         )
     return reservation
+
+
+T = TypeVar("T")
+
+
+def _written(
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    use_case: Callable[[Reservation, Postings], T],
+) -> T:
+    """Run a use case whose write is ONE statement (``Postings.flush``): first on the row read without a
+    lock, its write applying only to the row version it read — two statements that each commit themselves,
+    no transaction and no lock held between them — and, when the row changed in between (or the use case
+    needs more than one write), again in a transaction under the row's lock. Either way the use case sees a
+    committed state of the row and its write applies to that state only."""
+    tenants = list(tenant_ids)
+
+    def unlocked() -> T:
+        with own_transaction():
+            reservation = _checked(locks.read_reservation(reservation_id, tenants), fence)
+            version = reservation.row_version  # type: ignore[attr-defined]
+            posts = Postings(reservation, held_account_ids(reservation), unchanged_since=version)
+            return use_case(reservation, posts)
+
+    def locked() -> T:
+        with transaction.atomic(durable=True):
+            reservation = _locked(reservation_id, tenants, fence)
+            return use_case(reservation, Postings(reservation, held_account_ids(reservation)))
+
+    try:
+        return with_retries(unlocked)
+    except RowChanged:
+        return with_retries(locked)
 
 
 def _refuse(reservation: Reservation, action: str) -> InvalidTransition:
@@ -87,32 +128,29 @@ def dispatch(
     tenant has this providerRequestId (another tenant's use of an id is never observable).
     """
 
-    def attempt() -> Reservation:
-        with transaction.atomic(durable=True):
-            reservation = _locked(reservation_id, tenant_ids, fence)
-            if admitted_digest != reservation.admitted_digest:
-                raise PayloadChanged(
-                    "admittedDigest differs from the admitted payload's digest",
-                    expected=reservation.admitted_digest,
-                )
-            if reservation.state != State.RESERVED:
-                if reservation.provider_request_id == provider_request_id and reservation.dispatched_at:
-                    return reservation
-                raise _refuse(reservation, "dispatch")
-            reservation.dispatch(provider_request_id)
-            # The adapter and endpoint the pool names now, read with the row's lock
-            # (``locks.lock_reservation``: no statement of their own).
-            reservation.provider_adapter = reservation.pool_adapter  # type: ignore[attr-defined]
-            reservation.provider_endpoint = reservation.pool_endpoint  # type: ignore[attr-defined]
-            reservation.dispatched_at = now
-            posts = Postings(reservation, held_account_ids(reservation))
-            n = reservation.input_reserved
-            posts.move(EntryKind.POST, input_reserved=-n, input_consumed=n, reason="dispatched")
-            posts.flush()
-            return reservation
+    def use_case(reservation: Reservation, posts: Postings) -> Reservation:
+        if admitted_digest != reservation.admitted_digest:
+            raise PayloadChanged(
+                "admittedDigest differs from the admitted payload's digest",
+                expected=reservation.admitted_digest,
+            )
+        if reservation.state != State.RESERVED:
+            if reservation.provider_request_id == provider_request_id and reservation.dispatched_at:
+                return reservation
+            raise _refuse(reservation, "dispatch")
+        reservation.dispatch(provider_request_id)
+        # The adapter and endpoint the pool names now, read with the row
+        # (``locks.lock_reservation``: no statement of their own).
+        reservation.provider_adapter = reservation.pool_adapter  # type: ignore[attr-defined]
+        reservation.provider_endpoint = reservation.pool_endpoint  # type: ignore[attr-defined]
+        reservation.dispatched_at = now
+        n = reservation.input_reserved
+        posts.move(EntryKind.POST, input_reserved=-n, input_consumed=n, reason="dispatched")
+        posts.flush()
+        return reservation
 
     try:
-        return with_retries(attempt)
+        return _written(reservation_id, tenant_ids, fence, use_case)
     except IntegrityError as error:
         constraint = getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
         if constraint != PROVIDER_ID_CONSTRAINT:
@@ -146,30 +184,27 @@ def record_usage(
     StaleFence, InvalidTransition, NotFound.
     """
 
-    def attempt() -> tuple[Reservation, bool]:
-        with transaction.atomic(durable=True):
-            reservation = _locked(reservation_id, tenant_ids, fence)
-            if reservation.state not in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}:
-                raise _AlreadyDone(reservation)
-            posts = Postings(reservation, held_account_ids(reservation))
-            capture(
-                posts,
-                usage_event_id=usage.usage_event_id,
-                output_tokens=usage.output_tokens,
-                input_tokens=usage.input_tokens,
-                final=usage.final,
-                cached_input_tokens=usage.cached_input_tokens,
-            )
-            if usage.final:
-                settle(posts, reservation.complete, reason="final usage", now=now)
-            elif reservation.state == State.DISPATCHED:
-                reservation.start_running()
-            # No look-up of the event id first: its unique index answers a repeat (one statement fewer).
-            posts.flush()
-            return reservation, True
+    def use_case(reservation: Reservation, posts: Postings) -> tuple[Reservation, bool]:
+        if reservation.state not in {State.DISPATCHED, State.RUNNING, State.PARTIALLY_SETTLED}:
+            raise _AlreadyDone(reservation)
+        capture(
+            posts,
+            usage_event_id=usage.usage_event_id,
+            output_tokens=usage.output_tokens,
+            input_tokens=usage.input_tokens,
+            final=usage.final,
+            cached_input_tokens=usage.cached_input_tokens,
+        )
+        if usage.final:
+            settle(posts, reservation.complete, reason="final usage", now=now)
+        elif reservation.state == State.DISPATCHED:
+            reservation.start_running()
+        # No look-up of the event id first: its unique index answers a repeat (one statement fewer).
+        posts.flush()
+        return reservation, True
 
     try:
-        return with_retries(attempt)
+        return _written(reservation_id, tenant_ids, fence, use_case)
     except (IntegrityError, _AlreadyDone) as outcome:
         earlier = UsageEvent.objects.filter(
             reservation_id=reservation_id,
@@ -262,34 +297,31 @@ def top_up(
 def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, now: datetime) -> Reservation:
     """Before dispatch: release everything. After: settle what was consumed, keep the rest held."""
 
-    def attempt() -> Reservation:
-        with transaction.atomic(durable=True):
-            reservation = _locked(reservation_id, tenant_ids, fence)
-            posts = Postings(reservation, held_account_ids(reservation))
-            if reservation.state == State.RESERVED:
-                settle(
-                    posts,
-                    reservation.release_undispatched,
-                    reason="cancelled before dispatch",
-                    now=now,
-                    release_input=reservation.input_reserved,
-                )
-                reservation.failure_reason = "cancelled"
-            elif reservation.state in {State.DISPATCHED, State.RUNNING}:
-                reservation.settle_partially("cancelled after dispatch")
-                # The gateway cancels once it closed the provider connection: the call stopped, so its
-                # slot goes now (SPEC §5); what the provider produced past the usage posted stays held.
-                slots.free_slot(posts, "cancelled after dispatch: the gateway closed the call")
-            elif reservation.state == State.PROPOSED:
-                reservation.reject_queued("cancelled while queued")
-            elif reservation.failure_reason.startswith("cancelled"):
-                return reservation
-            else:
-                raise _refuse(reservation, "cancel")
-            posts.flush()
+    def use_case(reservation: Reservation, posts: Postings) -> Reservation:
+        if reservation.state == State.RESERVED:
+            settle(
+                posts,
+                reservation.release_undispatched,
+                reason="cancelled before dispatch",
+                now=now,
+                release_input=reservation.input_reserved,
+            )
+            reservation.failure_reason = "cancelled"
+        elif reservation.state in {State.DISPATCHED, State.RUNNING}:
+            reservation.settle_partially("cancelled after dispatch")
+            # The gateway cancels once it closed the provider connection: the call stopped, so its
+            # slot goes now (SPEC §5); what the provider produced past the usage posted stays held.
+            slots.free_slot(posts, "cancelled after dispatch: the gateway closed the call")
+        elif reservation.state == State.PROPOSED:
+            reservation.reject_queued("cancelled while queued")
+        elif reservation.failure_reason.startswith("cancelled"):
             return reservation
+        else:
+            raise _refuse(reservation, "cancel")
+        posts.flush()
+        return reservation
 
-    return with_retries(attempt)
+    return _written(reservation_id, tenant_ids, fence, use_case)
 
 
 def fail(
@@ -307,67 +339,64 @@ def fail(
     ``request_sent`` is RequestSent.NO only with proof (connection refused before any byte was sent).
     """
 
-    def attempt() -> Reservation:
-        with transaction.atomic(durable=True):
-            reservation = _locked(reservation_id, tenant_ids, fence)
-            posts = Postings(reservation, held_account_ids(reservation))
-            if reservation.state == State.RESERVED:
-                settle(
-                    posts,
-                    reservation.release_undispatched,
-                    reason=f"failed before dispatch: {reason}",
-                    now=now,
-                    release_input=reservation.input_reserved,
-                )
-                reservation.failure_reason = f"failed before dispatch: {reason}"
-            elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
-                settle(
-                    posts,
-                    reservation.release_unprocessed,
-                    reason=f"never processed: {reason}",
-                    now=now,
-                    refund_input=reservation.input_consumed,
-                )
-                reservation.failure_reason = f"never processed: {reason}"
-            elif reservation.state in {State.DISPATCHED, State.RUNNING}:
-                earlier = None
-                if usage is not None:
-                    earlier = UsageEvent.objects.filter(
-                        reservation=reservation, usage_event_id=usage.usage_event_id
-                    ).first()
-                    if earlier is not None and (earlier.output_tokens, earlier.input_tokens) != (
-                        usage.output_tokens,
-                        usage.input_tokens,
-                    ):
-                        raise UsageEventConflict(
-                            f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
-                            recorded={
-                                "outputTokens": earlier.output_tokens,
-                                "inputTokens": earlier.input_tokens,
-                            },
-                        )
-                if usage is not None and earlier is None:
-                    capture(
-                        posts,
-                        usage_event_id=usage.usage_event_id,
-                        output_tokens=usage.output_tokens,
-                        input_tokens=usage.input_tokens,
-                        final=False,
+    def use_case(reservation: Reservation, posts: Postings) -> Reservation:
+        if reservation.state == State.RESERVED:
+            settle(
+                posts,
+                reservation.release_undispatched,
+                reason=f"failed before dispatch: {reason}",
+                now=now,
+                release_input=reservation.input_reserved,
+            )
+            reservation.failure_reason = f"failed before dispatch: {reason}"
+        elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
+            settle(
+                posts,
+                reservation.release_unprocessed,
+                reason=f"never processed: {reason}",
+                now=now,
+                refund_input=reservation.input_consumed,
+            )
+            reservation.failure_reason = f"never processed: {reason}"
+        elif reservation.state in {State.DISPATCHED, State.RUNNING}:
+            earlier = None
+            if usage is not None:
+                earlier = UsageEvent.objects.filter(
+                    reservation=reservation, usage_event_id=usage.usage_event_id
+                ).first()
+                if earlier is not None and (earlier.output_tokens, earlier.input_tokens) != (
+                    usage.output_tokens,
+                    usage.input_tokens,
+                ):
+                    raise UsageEventConflict(
+                        f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                        recorded={
+                            "outputTokens": earlier.output_tokens,
+                            "inputTokens": earlier.input_tokens,
+                        },
                     )
-                reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
-                # A later "not found" from the provider cannot prove non-processing against this report.
-                reservation.request_sent = request_sent
-            elif reservation.state in {
-                State.PARTIALLY_SETTLED,
-                State.SETTLED,
-            } and reservation.failure_reason.startswith(("failed", "never processed")):
-                return reservation
-            else:
-                raise _refuse(reservation, "fail")
-            posts.flush()
+            if usage is not None and earlier is None:
+                capture(
+                    posts,
+                    usage_event_id=usage.usage_event_id,
+                    output_tokens=usage.output_tokens,
+                    input_tokens=usage.input_tokens,
+                    final=False,
+                )
+            reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
+            # A later "not found" from the provider cannot prove non-processing against this report.
+            reservation.request_sent = request_sent
+        elif reservation.state in {
+            State.PARTIALLY_SETTLED,
+            State.SETTLED,
+        } and reservation.failure_reason.startswith(("failed", "never processed")):
             return reservation
+        else:
+            raise _refuse(reservation, "fail")
+        posts.flush()
+        return reservation
 
-    return with_retries(attempt)
+    return _written(reservation_id, tenant_ids, fence, use_case)
 
 
 # The columns a lifecycle answer shows (``ledger.selectors.lifecycle_answer``), read back by the renewal.
@@ -391,18 +420,17 @@ def renew_lease(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: 
     """Push the lease expiry out by LEASE_SECONDS from the database clock: one statement when the fence is
     current and the state renewable. Raises NotFound, StaleFence, or InvalidTransition (settled, rejected,
     queued or reconciling)."""
-    renewed = list(
-        Reservation.objects.raw(
-            _RENEW_SQL,
-            [
-                settings.LEASE_SECONDS,
-                timezone.now(),
-                reservation_id,
-                list(tenant_ids),
-                fence,
-                [str(state) for state in _RENEWABLE],
-            ],
-        )
+    renewed = fetch_rows(
+        Reservation,
+        _RENEW_SQL,
+        [
+            settings.LEASE_SECONDS,
+            timezone.now(),
+            reservation_id,
+            list(tenant_ids),
+            fence,
+            [str(state) for state in _RENEWABLE],
+        ],
     )
     if renewed:
         return renewed[0]

@@ -1,5 +1,10 @@
 """People's changes to capacity accounts: limits (compare-and-swap on what was shown), temporary increases and
-compensating corrections, each in the change log."""
+compensating corrections, each in the change log.
+
+Limits are those of ``ledger.models.LIMITS``: input, output and concurrency counts, and spend in integer
+micro-units of the account's currency (the admin reads and shows it as a decimal amount; nothing here is a
+float).
+"""
 
 from __future__ import annotations
 
@@ -14,16 +19,30 @@ from budgeting.catalog.errors import InvalidChange, NotFound
 from budgeting.catalog.models import TemporaryIncrease
 from ledger import locks
 from ledger.errors import LimitsChanged
-from ledger.models import CapacityAccount, EntryKind, LedgerEntry
+from ledger.models import LIMITS, CapacityAccount, EntryKind, LedgerEntry
 from ledger.services.postings import post_to_account
 
-LIMIT_FIELDS = ("input_limit", "output_limit", "concurrency_limit")
+DIMENSIONS = tuple(limit.dimension for limit in LIMITS)
+LIMIT_FIELDS = tuple(limit.limit for limit in LIMITS)
+"""The limit columns, in the order of ``LIMITS`` (input, output, concurrency, spend): the order of every
+``expected`` tuple below."""
+# What a temporary increase adds to each dimension's limit: its amount column.
+INCREASE_AMOUNTS = {
+    "input": "input_tokens",
+    "output": "output_tokens",
+    "concurrency": "concurrency",
+    "spend": "spend",
+}
 BALANCE_FIELDS = ("input_reserved", "output_reserved", "input_consumed", "output_consumed", "in_flight")
+
+
+Limits = tuple[int | None, ...]
+"""Limits in ``LIMIT_FIELDS`` order (None: unlimited)."""
 
 
 @dataclass(frozen=True)
 class DimensionPreview:
-    """One limit dimension before and after an edit. ``None`` limits are unlimited."""
+    """One limit dimension before and after an edit (spend in micro-units). ``None`` limits are unlimited."""
 
     name: str
     used: int
@@ -60,19 +79,15 @@ class DimensionPreview:
 
 def used(account: CapacityAccount) -> dict[str, int]:
     """Reserved plus consumed (in flight for concurrency) per dimension in the current period."""
-    return {
-        "input": account.input_reserved + account.input_consumed,
-        "output": account.output_reserved + account.output_consumed,
-        "concurrency": account.in_flight,
-    }
+    return {limit.dimension: limit.usage(account) for limit in LIMITS}
 
 
 def active_increases(account: CapacityAccount) -> dict[str, int]:
     """What the account's temporary increases that have not ended add to each limit, per dimension."""
     totals = TemporaryIncrease.objects.filter(account=account, ended_at__isnull=True).aggregate(
-        input=Sum("input_tokens"), output=Sum("output_tokens"), concurrency=Sum("concurrency")
+        **{name: Sum(amount) for name, amount in INCREASE_AMOUNTS.items()}
     )
-    return {name: int(total or 0) for name, total in totals.items()}
+    return {name: int(totals.get(name) or 0) for name in DIMENSIONS}
 
 
 def preview_permanent_limits(
@@ -81,18 +96,24 @@ def preview_permanent_limits(
     input_limit: int | None,
     output_limit: int | None,
     concurrency_limit: int | None,
+    spend_limit: int | None,
     increases: dict[str, int] | None = None,
 ) -> list[DimensionPreview]:
     """What an edit of the permanent limits would do, per dimension: active temporary increases stay on top
     of the new permanent limits (and come off again when they end). Nothing is written."""
     extra = active_increases(account) if increases is None else increases
     in_use = used(account)
-    wanted = {"input": input_limit, "output": output_limit, "concurrency": concurrency_limit}
+    wanted = {
+        "input": input_limit,
+        "output": output_limit,
+        "concurrency": concurrency_limit,
+        "spend": spend_limit,
+    }
     previews = []
-    for name in ("input", "output", "concurrency"):
+    for name in DIMENSIONS:
         old: int | None = getattr(account, f"{name}_limit")
         # An unlimited dimension carries no increase (a grant refuses one), whatever rows say.
-        increase = 0 if old is None else extra[name]
+        increase = 0 if old is None else extra.get(name, 0)
         new = wanted[name]
         previews.append(
             DimensionPreview(name, in_use[name], old, None if new is None else new + increase, increase)
@@ -106,6 +127,7 @@ def preview_limits(
     input_limit: int | None,
     output_limit: int | None,
     concurrency_limit: int | None,
+    spend_limit: int | None,
 ) -> list[DimensionPreview]:
     """What an edit of the limits would do to availability, per dimension (nothing is written)."""
     in_use = used(account)
@@ -113,6 +135,7 @@ def preview_limits(
         DimensionPreview("input", in_use["input"], account.input_limit, input_limit),
         DimensionPreview("output", in_use["output"], account.output_limit, output_limit),
         DimensionPreview("concurrency", in_use["concurrency"], account.concurrency_limit, concurrency_limit),
+        DimensionPreview("spend", in_use["spend"], account.spend_limit, spend_limit),
     ]
 
 
@@ -122,27 +145,37 @@ def set_account_limits(
     input_limit: int | None,
     output_limit: int | None,
     concurrency_limit: int | None,
-    expected: tuple[int | None, int | None, int | None],
+    spend_limit: int | None,
+    expected: Limits,
     reason: str,
     actor: Actor,
 ) -> list[DimensionPreview]:
-    """Set an account's limits (lowering below current use is allowed: new holds are then refused).
+    """Set an account's limits (lowering below current use is allowed: new holds are then refused); the
+    spend limit is in micro-units of the account's currency.
 
-    ``expected`` are the limits the person saw when confirming; if they changed meanwhile (another admin, a
-    temporary increase expiring) nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
+    ``expected`` are the limits the person saw when confirming, in ``LIMIT_FIELDS`` order; if they changed
+    meanwhile (another admin, a temporary increase expiring) nothing is written. Raises LimitsChanged,
+    InvalidChange, NotFound.
     """
     reason = require_reason(reason)
-    _require_non_negative(input_limit, output_limit, concurrency_limit)
+    _require_non_negative(input_limit, output_limit, concurrency_limit, spend_limit)
     with transaction.atomic(durable=True):
         account = _lock_as_seen(account_id, expected)
         preview = preview_limits(
-            account, input_limit=input_limit, output_limit=output_limit, concurrency_limit=concurrency_limit
+            account,
+            input_limit=input_limit,
+            output_limit=output_limit,
+            concurrency_limit=concurrency_limit,
+            spend_limit=spend_limit,
         )
         if not any(p.changed for p in preview):
             return preview
         before = snapshot(account, LIMIT_FIELDS)
         CapacityAccount.objects.filter(pk=account.pk).update(
-            input_limit=input_limit, output_limit=output_limit, concurrency_limit=concurrency_limit
+            input_limit=input_limit,
+            output_limit=output_limit,
+            concurrency_limit=concurrency_limit,
+            spend_limit=spend_limit,
         )
         account.refresh_from_db()
         record_change(
@@ -162,19 +195,21 @@ def set_permanent_limits(
     input_limit: int | None,
     output_limit: int | None,
     concurrency_limit: int | None,
-    expected: tuple[int | None, int | None, int | None],
+    spend_limit: int | None,
+    expected: Limits,
     reason: str,
     actor: Actor,
 ) -> list[DimensionPreview]:
-    """Set an account's permanent limits: the limits it keeps once its temporary increases end. Active
-    increases stay on top (the stored limit is permanent + increase, as admission reads it), so an edit made
-    during an increase is not cut by the increase when it expires.
+    """Set an account's permanent limits: the limits it keeps once its temporary increases end (the spend
+    limit in micro-units of the account's currency). Active increases stay on top (the stored limit is
+    permanent + increase, as admission reads it), so an edit made during an increase is not cut by the
+    increase when it expires.
 
-    ``expected`` are the limits in force (increases included) that the person saw; if they changed meanwhile
-    nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
+    ``expected`` are the limits in force (increases included) that the person saw, in ``LIMIT_FIELDS``
+    order; if they changed meanwhile nothing is written. Raises LimitsChanged, InvalidChange, NotFound.
     """
     reason = require_reason(reason)
-    _require_non_negative(input_limit, output_limit, concurrency_limit)
+    _require_non_negative(input_limit, output_limit, concurrency_limit, spend_limit)
     with transaction.atomic(durable=True):
         account = _lock_as_seen(account_id, expected)
         # Read under the account's lock: a grant or an end of an increase locks the account first.
@@ -184,6 +219,7 @@ def set_permanent_limits(
             input_limit=input_limit,
             output_limit=output_limit,
             concurrency_limit=concurrency_limit,
+            spend_limit=spend_limit,
             increases=increases,
         )
         if not any(p.changed for p in preview):
@@ -216,10 +252,16 @@ def _require_non_negative(*limits: int | None) -> None:
         raise InvalidChange("limits cannot be negative")
 
 
-def _lock_as_seen(account_id: int, expected: tuple[int | None, int | None, int | None]) -> CapacityAccount:
+def limits_in_force(account: CapacityAccount) -> Limits:
+    """The account's limits as admission reads them (increases included), in ``LIMIT_FIELDS`` order: what
+    an edit's ``expected`` compares with."""
+    return tuple(getattr(account, field) for field in LIMIT_FIELDS)
+
+
+def _lock_as_seen(account_id: int, expected: Limits) -> CapacityAccount:
     """The account, locked, if its limits in force are still those the person saw; else LimitsChanged."""
     account = _lock(account_id)
-    current = (account.input_limit, account.output_limit, account.concurrency_limit)
+    current = limits_in_force(account)
     if current != tuple(expected):
         raise LimitsChanged(
             "the limits changed since you looked at them; review the new values and confirm again",
@@ -245,14 +287,16 @@ def grant_temporary_increase(
     reason: str,
     actor: Actor,
     now: datetime,
+    spend: int = 0,
 ) -> TemporaryIncrease:
-    """Raise an account's limits by these amounts until ``expires_at``.
+    """Raise an account's limits by these amounts until ``expires_at`` (``spend`` in micro-units of the
+    account's currency).
 
     Raises InvalidChange for an empty or negative increase, an expiry in the past, or an increase of an
     unlimited dimension (there is nothing to raise); NotFound.
     """
     reason = require_reason(reason)
-    amounts = {"input": input_tokens, "output": output_tokens, "concurrency": concurrency}
+    amounts = {"input": input_tokens, "output": output_tokens, "concurrency": concurrency, "spend": spend}
     if any(v < 0 for v in amounts.values()) or not any(amounts.values()):
         raise InvalidChange(
             "an increase needs a positive amount on at least one dimension, and no negative one"
@@ -261,11 +305,7 @@ def grant_temporary_increase(
         raise InvalidChange("the expiry must be in the future")
     with transaction.atomic(durable=True):
         account = _lock(account_id)
-        limits = {
-            "input": account.input_limit,
-            "output": account.output_limit,
-            "concurrency": account.concurrency_limit,
-        }
+        limits = dict(zip(DIMENSIONS, limits_in_force(account), strict=True))
         unlimited = [name for name, extra in amounts.items() if extra and limits[name] is None]
         if unlimited:
             raise InvalidChange(f"{', '.join(unlimited)} is unlimited on this account; nothing to increase")
@@ -274,12 +314,14 @@ def grant_temporary_increase(
             input_limit=F("input_limit") + input_tokens,
             output_limit=F("output_limit") + output_tokens,
             concurrency_limit=F("concurrency_limit") + concurrency,
+            spend_limit=F("spend_limit") + spend,
         )
         increase = TemporaryIncrease.objects.create(
             account=account,
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             concurrency=concurrency,
+            spend=spend,
             starts_at=now,
             expires_at=expires_at,
             reason=reason,
@@ -329,6 +371,7 @@ def end_temporary_increase(*, increase_id: int, reason: str, actor: Actor, now: 
             input_limit=lowered(account.input_limit, increase.input_tokens),
             output_limit=lowered(account.output_limit, increase.output_tokens),
             concurrency_limit=lowered(account.concurrency_limit, increase.concurrency),
+            spend_limit=lowered(account.spend_limit, increase.spend),
         )
         account.refresh_from_db()
         record_change(

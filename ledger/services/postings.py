@@ -18,7 +18,7 @@ from budgeting.catalog.prices import cost
 from budgeting.db.cursor import this_connection
 from budgeting.db.rows import RecordInsert, insert_sql, update_sql
 from ledger import locks, statements
-from ledger.errors import UsageEventConflict
+from ledger.errors import RowChanged, UsageEventConflict
 from ledger.models import (
     CapacityAccount,
     EntryKind,
@@ -60,6 +60,9 @@ class Postings:
     account_ids: list[int]
     moves: list[_Move] = field(default_factory=list)
     inserts: list[models.Model] = field(default_factory=list)
+    unchanged_since: str | None = None
+    """The reservation's row version when it was read without a lock: the one write ``flush`` makes applies
+    only to that version (RowChanged otherwise, and for a use case that needs more than one write)."""
 
     def move(
         self,
@@ -88,7 +91,10 @@ class Postings:
         if input_consumed >= 0 and output_consumed >= 0 and spend_consumed >= 0:
             self.moves.append(_Move(kind, reason[:300], dict.fromkeys(self.account_ids, amounts)))
             return
-        # What was posted so far must be written before it can be counted: the rare decrease costs statements.
+        # What was posted so far must be written before it can be counted: the rare decrease costs statements,
+        # which only the row's lock keeps consistent.
+        if self.unchanged_since is not None:
+            raise RowChanged
         self.flush(save=False)
         periods = locks.lock_account_periods(self.account_ids)
         posted: dict[int, tuple[int, int, int]] = {}
@@ -161,7 +167,12 @@ class Postings:
         if not writes and not moves:
             return set()
         return statements.move_balances(
-            writes, moves, self.reservation.pk, checked=within_limits, currency=self.reservation.currency
+            writes,
+            moves,
+            self.reservation.pk,
+            checked=within_limits,
+            currency=self.reservation.currency,
+            unchanged_since=self.unchanged_since if save else None,
         )
 
 
@@ -383,7 +394,7 @@ def hold_new_reservation(
         row = insert_sql(reservation)
     else:
         row = insert_sql(reservation, {"manifest_id": "(SELECT id FROM record)"})
-    with _own_transaction():
+    with own_transaction():
         return statements.hold(
             row,
             reservation.pk,
@@ -408,7 +419,7 @@ def hold_queued_reservation(reservation: Reservation, account_ids: Sequence[int]
     )
 
 
-def _own_transaction() -> contextlib.AbstractContextManager[Any]:
+def own_transaction() -> contextlib.AbstractContextManager[Any]:
     """Nothing in autocommit mode: the statement commits itself. Inside a transaction,
     ``atomic(durable=True)``: it refuses to join a caller's transaction, as every ledger use case does, and
     within a test's transaction (where Django lifts that check) a savepoint undoes a refused statement."""

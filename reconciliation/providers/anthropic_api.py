@@ -8,9 +8,10 @@
   reservation waits for the usage report or a person.
 
 Both import the Usage & Cost Admin API's message usage report
-(``GET /v1/organizations/usage_report/messages``, hourly, by model, workspace and API key) with the
-organization admin key. The SDK has no method of its own for that report, so it goes through the SDK
-client's plain ``get`` (same auth, retries and base URL).
+(``GET /v1/organizations/usage_report/messages``, hourly, by model, workspace and API key) and its cost report
+(``GET /v1/organizations/cost_report``, daily, by workspace and description: each model's cost per token
+type) with the organization admin key. The SDK has no method of its own for those reports, so they go
+through the SDK client's plain ``get`` (same auth, retries and base URL), page after page.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from reconciliation.providers.base import (
 RETENTION: Final = timedelta(days=29)
 BATCH_REQUEST_ID: Final = re.compile(r"(msgbatch_[A-Za-z0-9_]+)/([A-Za-z0-9_-]{1,64})")
 USAGE_REPORT_PATH: Final = "/v1/organizations/usage_report/messages"
+COST_REPORT_PATH: Final = "/v1/organizations/cost_report"
 # Documented as "you will not be billed for these requests".
 _NEVER_BILLED: Final = frozenset({"errored", "canceled", "expired"})
 _MAX_PAGES: Final = 100
 
 
 class _AnthropicUsage:
-    """The usage report, shared by both Anthropic adapters."""
+    """The usage and cost reports, shared by both Anthropic adapters."""
 
     name: str
 
@@ -65,23 +67,50 @@ class _AnthropicUsage:
 
         Raises ``anthropic.AnthropicError`` when the report cannot be read.
         """
+        return self._pages(
+            USAGE_REPORT_PATH,
+            {
+                **_window(start, end),
+                "bucket_width": "1h",
+                "group_by": ["model", "workspace_id", "api_key_id"],
+                "limit": 168,
+            },
+        )
+
+    def cost_pages(self, start: datetime, end: datetime) -> list[dict[str, Any]]:
+        """Every page of the daily cost report in ``[start, end)`` by workspace and description (which names
+        each cost's model and token type).
+
+        Raises ``anthropic.AnthropicError`` when the report cannot be read.
+        """
+        return self._pages(
+            COST_REPORT_PATH,
+            {
+                **_window(start, end),
+                "bucket_width": "1d",
+                "group_by": ["workspace_id", "description"],
+                "limit": 31,
+            },
+        )
+
+    def _pages(self, path: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         pages: list[dict[str, Any]] = []
-        params: dict[str, Any] = {
-            "starting_at": start.isoformat().replace("+00:00", "Z"),
-            "ending_at": end.isoformat().replace("+00:00", "Z"),
-            "bucket_width": "1h",
-            "group_by": ["model", "workspace_id", "api_key_id"],
-            "limit": 168,
-        }
         for _ in range(_MAX_PAGES):
-            page = self._admin.get(USAGE_REPORT_PATH, cast_to=object, options={"params": params})
+            page = self._admin.get(path, cast_to=object, options={"params": params})
             if not isinstance(page, dict):
-                raise anthropic.AnthropicError("usage report page is not an object")
+                raise anthropic.AnthropicError(f"{path} page is not an object")
             pages.append(page)
             if not page.get("has_more") or not page.get("next_page"):
                 break
             params = {**params, "page": page["next_page"]}
         return pages
+
+
+def _window(start: datetime, end: datetime) -> dict[str, str]:
+    return {
+        "starting_at": start.isoformat().replace("+00:00", "Z"),
+        "ending_at": end.isoformat().replace("+00:00", "Z"),
+    }
 
 
 class AnthropicBatchesAdapter(_AnthropicUsage):

@@ -28,7 +28,9 @@ from reconciliation.providers.records import (
 )
 from reconciliation.providers.usage import UsageFormat, scan_usage_report
 
-BillingExportFormat = Literal["csv", "jsonl", "openai-usage", "openai-costs", "anthropic-usage"]
+BillingExportFormat = Literal[
+    "csv", "jsonl", "openai-usage", "openai-costs", "anthropic-usage", "anthropic-costs"
+]
 EXPORT_FORMATS: Final = get_args(BillingExportFormat)
 EXPORT_FORMAT_CHOICES: Final = (
     ("csv", "CSV (per request or per bucket)"),
@@ -36,6 +38,7 @@ EXPORT_FORMAT_CHOICES: Final = (
     ("openai-usage", "OpenAI usage API: completions buckets (JSON)"),
     ("openai-costs", "OpenAI costs API pages (JSON)"),
     ("anthropic-usage", "Anthropic usage report: messages (JSON)"),
+    ("anthropic-costs", "Anthropic cost report (JSON)"),
 )
 
 # Column sets of the billing export. Extra columns are ignored (providers add columns over time and a new
@@ -92,7 +95,7 @@ def scan_billing_export(text: str, fmt: BillingExportFormat) -> BillingExportSca
 
     Raises ``ValueError`` for an unknown ``fmt``.
     """
-    if fmt in ("openai-usage", "openai-costs", "anthropic-usage"):
+    if fmt in ("openai-usage", "openai-costs", "anthropic-usage", "anthropic-costs"):
         usage_format: UsageFormat = fmt
         return scan_usage_report(text, usage_format)
     if fmt == "csv":

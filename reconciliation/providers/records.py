@@ -53,7 +53,8 @@ class BucketBillingRecord:
 
 @dataclass(frozen=True)
 class CostRecord:
-    """What one cost line (a line item, project or API key) of one time bucket was charged."""
+    """What one cost line (a line item, project or API key) of one time bucket was charged; ``model`` is the
+    model the line bills, where it names one."""
 
     bucket_start: datetime
     bucket_end: datetime
@@ -62,6 +63,7 @@ class CostRecord:
     line_item: str | None = None
     project_id: str | None = None
     api_key_id: str | None = None
+    model: str | None = None
     line: int = field(default=0, compare=False)
 
     @property

@@ -74,5 +74,8 @@ def usage_feeds(adapter: ProviderAdapter) -> list[tuple[UsageFeed, Any]]:
             (UsageFeed("openai-costs", "costs"), adapter.cost_pages),
         ]
     if isinstance(adapter, AnthropicBatchesAdapter | AnthropicMessagesAdapter) and adapter.has_admin_key:
-        return [(UsageFeed("anthropic-usage", "usage report"), adapter.usage_pages)]
+        return [
+            (UsageFeed("anthropic-usage", "usage report"), adapter.usage_pages),
+            (UsageFeed("anthropic-costs", "cost report"), adapter.cost_pages),
+        ]
     return []

@@ -12,7 +12,14 @@ fetch collects and a file saved from the API read the same):
 - ``anthropic-usage``: Anthropic's Usage & Cost Admin API message usage report
   (``GET /v1/organizations/usage_report/messages``): ``{"data": [{"starting_at", "ending_at", "results":
   [{"uncached_input_tokens", "cache_creation": {"ephemeral_5m_input_tokens", "ephemeral_1h_input_tokens"},
-  "cache_read_input_tokens", "output_tokens", "model", "workspace_id", "api_key_id", ...}]}], ...}``.
+  "cache_read_input_tokens", "output_tokens", "model", "workspace_id", "api_key_id", ...}]}], ...}``;
+- ``anthropic-costs``: the same API's cost report (``GET /v1/organizations/cost_report``, daily, grouped by
+  workspace and description): ``{"data": [{"starting_at", "ending_at", "results": [{"amount", "currency",
+  "description", "model", "cost_type", "token_type", "service_tier", "context_window", "workspace_id"}]}],
+  "has_more", "next_page"}``, where ``amount`` is a decimal string in the currency's LOWEST units
+  ("123.45" in USD is $1.2345) and the fields but ``amount`` and ``currency`` are null unless grouped by
+  description. A cost of a model is the line item ``"<model>, <token type>"``, as OpenAI's line items name
+  theirs.
 
 A result row is identified by its bucket and every grouping field it carries (model, project or workspace,
 API key, service tier, ...). The same row twice is counted once; the same row with other amounts is a
@@ -38,8 +45,16 @@ from reconciliation.providers.records import (
     ProblemKind,
 )
 
-UsageFormat = Literal["openai-usage", "openai-costs", "anthropic-usage"]
-USAGE_FORMATS: Final[tuple[UsageFormat, ...]] = ("openai-usage", "openai-costs", "anthropic-usage")
+UsageFormat = Literal["openai-usage", "openai-costs", "anthropic-usage", "anthropic-costs"]
+USAGE_FORMATS: Final[tuple[UsageFormat, ...]] = (
+    "openai-usage",
+    "openai-costs",
+    "anthropic-usage",
+    "anthropic-costs",
+)
+# Anthropic's cost amounts are in a currency's lowest units; how many of those make one unit, for the
+# currencies its report is documented in (only US dollars: "Currently always USD").
+_LOWEST_UNIT_PLACES: Final = {"USD": 2}
 
 Row = Mapping[str, Any]
 _TOKEN_FIELDS: Final = frozenset(
@@ -240,6 +255,14 @@ def _anthropic_usage(row: Row, start: datetime, end: datetime, ordinal: int) -> 
     )
 
 
+def model_of_line_item(line_item: str | None) -> str | None:
+    """The model a cost line item names (``"gpt-4o-2024-08-06, input"``), or None."""
+    if not line_item or "," not in line_item:
+        return None
+    model = line_item.rsplit(",", 1)[0].strip()
+    return model or None
+
+
 def _openai_costs(row: Row, start: datetime, end: datetime, ordinal: int) -> CostRecord:
     amount = row.get("amount")
     if not isinstance(amount, dict):
@@ -254,14 +277,49 @@ def _openai_costs(row: Row, start: datetime, end: datetime, ordinal: int) -> Cos
         raise _BadRow(f"amount value is not a number: {value!r}") from None
     if not decimal.is_finite():
         raise _BadRow(f"amount value is not a number: {value!r}")
+    line_item = _text(row, "line_item")
     return CostRecord(
         bucket_start=start,
         bucket_end=end,
         amount=decimal,
         currency=currency.lower(),
-        line_item=_text(row, "line_item"),
+        line_item=line_item,
         project_id=_text(row, "project_id"),
         api_key_id=_text(row, "api_key_id"),
+        model=model_of_line_item(line_item),
+        line=ordinal,
+    )
+
+
+def _anthropic_costs(row: Row, start: datetime, end: datetime, ordinal: int) -> CostRecord:
+    amount, currency = row.get("amount"), row.get("currency")
+    if not isinstance(currency, str) or not currency:
+        raise _BadRow(f"currency is not a currency code: {currency!r}")
+    places = _LOWEST_UNIT_PLACES.get(currency.upper())
+    if places is None:
+        raise _BadRow(f"amount in {currency}: the report's lowest units are documented for USD only")
+    if not isinstance(amount, str):
+        # Documented as a decimal string; a JSON number would already be a float's binary expansion.
+        raise _BadRow(f"amount is not a decimal string: {amount!r}")
+    try:
+        lowest = Decimal(amount)
+    except InvalidOperation:
+        raise _BadRow(f"amount is not a number: {amount!r}") from None
+    if not lowest.is_finite():
+        raise _BadRow(f"amount is not a number: {amount!r}")
+    model = _text(row, "model")
+    kind = _text(row, "token_type") or _text(row, "cost_type")
+    # A model's cost is named as OpenAI names its line items; any other cost (web search, code execution,
+    # an ungrouped total) by its description, commas taken out so that no model is read from it.
+    description = (_text(row, "description") or kind or "").replace(",", ";")
+    return CostRecord(
+        bucket_start=start,
+        bucket_end=end,
+        amount=lowest.scaleb(-places),
+        currency=currency.upper(),
+        line_item=f"{model}, {kind or 'tokens'}" if model else description or None,
+        project_id=_text(row, "workspace_id"),
+        model=model,
         line=ordinal,
     )
 
@@ -270,6 +328,7 @@ _PARSERS: Final[Mapping[str, Callable[[Row, datetime, datetime, int], BillingRec
     "openai-usage": _openai_usage,
     "openai-costs": _openai_costs,
     "anthropic-usage": _anthropic_usage,
+    "anthropic-costs": _anthropic_costs,
 }
 
 

@@ -52,7 +52,11 @@ def test_preview_shows_availability_and_flags_a_limit_below_use(scenario):
     in_use = account.input_reserved + account.input_consumed
     assert in_use > 100
     dims = limits.preview_limits(
-        account, input_limit=100, output_limit=None, concurrency_limit=account.concurrency_limit
+        account,
+        input_limit=100,
+        output_limit=None,
+        concurrency_limit=account.concurrency_limit,
+        spend_limit=None,
     )
     by_name = {d.name: d for d in dims}
     assert by_name["input"].new_available == 100 - in_use
@@ -104,7 +108,7 @@ def test_lowering_below_use_is_warned_needs_acknowledgement_and_then_refuses_adm
 
 def test_limits_changed_meanwhile_are_not_overwritten(scenario):
     account = tenant_acc(scenario)
-    seen = (account.input_limit, account.output_limit, account.concurrency_limit)
+    seen = limits.limits_in_force(account)
     CapacityAccount.objects.filter(pk=account.pk).update(input_limit=5)
     with pytest.raises(LimitsChanged):
         limits.set_account_limits(
@@ -112,6 +116,7 @@ def test_limits_changed_meanwhile_are_not_overwritten(scenario):
             input_limit=9,
             output_limit=seen[1],
             concurrency_limit=seen[2],
+            spend_limit=seen[3],
             expected=seen,
             reason="r",
             actor=ALICE,
@@ -130,7 +135,8 @@ def test_a_limit_edit_never_touches_balances_moved_meanwhile():
         input_limit=20_000,
         output_limit=10_000,
         concurrency_limit=None,
-        expected=(10_000, 10_000, None),
+        spend_limit=None,
+        expected=(10_000, 10_000, None, None),
         reason="r",
         actor=ALICE,
     )

@@ -109,7 +109,8 @@ def test_a_permanent_limit_edit_is_compare_and_swap_on_the_limit_in_force(cat):
             input_limit=5,
             output_limit=None,
             concurrency_limit=None,
-            expected=(1_000_000, 100_000, 10),  # seen before the increase
+            spend_limit=None,
+            expected=(1_000_000, 100_000, 10, None),  # seen before the increase
             reason="x",
             actor=FINANCE,
         )

@@ -9,17 +9,23 @@ from decimal import Decimal
 import pytest
 from django.core.exceptions import ValidationError
 from django.template import Context, Template
+from hypothesis import given
+from hypothesis import strategies as st
 
 from budgeting.backoffice.formats import (
     CountField,
+    MoneyField,
     amounts,
     count,
+    micro_money,
     money,
     parse_count,
     percent,
     signed,
+    signed_micro_money,
     unit_price,
 )
+from budgeting.catalog.prices import from_micro, to_micro
 
 
 def test_counts_and_movements_carry_thousands_separators():
@@ -82,3 +88,36 @@ def test_templates_use_the_same_helper():
         "{% load tb_formats %}{{ n|count }} {{ d|signed }} {{ a|money:'USD' }} {{ p|unit_price:'USD' }}"
     ).render(Context({"n": 1234567, "d": -1600, "a": Decimal("2.355"), "p": Decimal("0.0375")}))
     assert html == "1,234,567 -1,600 $2.36 $0.0375"
+
+
+@pytest.mark.parametrize(
+    ("typed", "currency", "value"),
+    [
+        ("5,000.00", "USD", Decimal("5000.00")),
+        ("$5,000", "USD", Decimal("5000")),
+        ("1 250.000125", "EUR", Decimal("1250.000125")),
+        ("€0.5", "EUR", Decimal("0.5")),
+        (".25", "USD", Decimal("0.25")),
+        ("236", "JPY", Decimal("236")),
+    ],
+)
+def test_money_may_be_typed_as_finance_writes_it(typed, currency, value):
+    assert MoneyField(currency=currency).clean(typed) == value
+
+
+def test_money_the_ledger_keeps_is_shown_exactly():
+    assert micro_money(5_000_000_000, "USD") == "$5,000.00"
+    assert micro_money(125, "USD") == "$0.000125"
+    assert micro_money(None, "USD") == "∞"
+    assert signed_micro_money(250_000_000, "EUR") == "+€250.00"
+    assert signed_micro_money(-1_200_000, "USD") == "-$1.20"
+    assert signed_micro_money(0, "USD") == "0"
+
+
+@given(st.integers(min_value=0, max_value=2**63 - 1), st.sampled_from(["USD", "JPY", "KWD", "CHF"]))
+def test_an_amount_shown_in_the_form_reads_back_to_the_same_micro_units(micro, currency):
+    """What the form pre-fills (a limit in micro-units, shown as money) is what it reads when posted back:
+    exact to the micro-unit, at any size a BIGINT holds, never through a float."""
+    field = MoneyField(currency=currency)
+    shown = field.prepare_value(from_micro(micro))
+    assert to_micro(field.clean(shown)) == micro

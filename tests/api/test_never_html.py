@@ -18,6 +18,7 @@ from rest_framework.test import APIClient
 
 from budgeting.admission import count_cache
 from budgeting.admission.decision_memo import decision_memo
+from ladder.counting import TextCounts
 from ledger.models import Reservation
 from tests import live
 from tests.api.test_admissions import request_body
@@ -85,6 +86,7 @@ def test_redis_down_counts_exactly_without_the_cache(demo_api, monkeypatch):
     layered = count_cache.count_cache()
     monkeypatch.setattr(layered.shared, "client", redis.Redis(port=closed_port(), socket_connect_timeout=1))
     monkeypatch.setattr(layered, "local", OrderedDict())
+    monkeypatch.setattr(layered, "texts", TextCounts(layered.texts.max_chars))
     monkeypatch.setattr(count_cache, "_skip_until", 0.0)
     decision_memo().clear()  # else the repeat is answered from the memo, without counting at all
     res = demo_api.post("/api/v1/admissions:count", body, format="json")

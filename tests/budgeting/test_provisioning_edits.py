@@ -21,7 +21,12 @@ from budgeting.provisioning.models import ProvisionedValue
 from budgeting.provisioning.plan import make_plan
 from budgeting.provisioning.source import load, load_file
 from ledger.models import CapacityAccount
-from ledger.services.limits import end_temporary_increase, grant_temporary_increase, set_account_limits
+from ledger.services.limits import (
+    end_temporary_increase,
+    grant_temporary_increase,
+    limits_in_force,
+    set_account_limits,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -56,7 +61,8 @@ def finance_raises_t19_output_to(value: int) -> None:
         input_limit=account.input_limit,
         output_limit=value,
         concurrency_limit=account.concurrency_limit,
-        expected=limits(account),
+        spend_limit=account.spend_limit,
+        expected=limits_in_force(account),
         reason="Q3 contract",
         actor=FINANCE,
     )
@@ -124,6 +130,36 @@ def test_an_active_temporary_increase_stays_in_force_and_rides_on_top_of_a_new_l
     end_temporary_increase(increase_id=increase.pk, reason="ended early", actor=FINANCE, now=now)
     assert t19().output_limit == 12_000_000
     assert provision(path=write(tmp_path, doc)).splitlines()[-1].startswith("no changes; ")
+
+
+def test_a_temporary_spend_increase_rides_on_top_of_the_files_spend_limit(tmp_path):
+    provision()
+
+    def internal() -> CapacityAccount:
+        return CapacityAccount.objects.get(scope="TENANT", tenant__slug="t-internal")
+
+    assert internal().spend_limit == 500_000_000  # the demo's $500 a month
+    now = timezone.now()
+    increase = grant_temporary_increase(
+        account_id=internal().pk,
+        input_tokens=0,
+        output_tokens=0,
+        concurrency=0,
+        spend=100_000_000,
+        expires_at=now + timedelta(days=3),
+        reason="launch week",
+        actor=FINANCE,
+        now=now,
+    )
+    assert provision().splitlines()[-1].startswith("no changes; ")
+    assert internal().spend_limit == 600_000_000
+    doc = load_file(DEMO)
+    doc["accounts"][0]["spendLimit"] = "700"
+    out = provision(path=write(tmp_path, doc))
+    assert "spendLimit: 500000000 -> 700000000  (active temporary increases of 100000000 stay on top)" in out
+    assert internal().spend_limit == 800_000_000
+    end_temporary_increase(increase_id=increase.pk, reason="ended early", actor=FINANCE, now=now)
+    assert internal().spend_limit == 700_000_000
 
 
 def test_a_catalog_edit_in_the_admin_is_kept_and_named(tmp_path):

@@ -109,6 +109,14 @@ def finance_reads(screen: Screen, world) -> None:
     page.fill("#id_input_limit", "2,500,000")
     assert page.inner_text("#tb-preview tbody tr:first-child .tb-new") == "2,700,000"  # + the increase
     assert not page.is_visible("#tb-preview-invalid")
+    # Spend is previewed as money, read from the digits typed (not a float's).
+    spend = "#tb-preview tbody tr[data-field=id_spend_limit]"
+    page.fill("#id_spend_limit", "5,000.1")
+    assert page.inner_text(f"{spend} .tb-new") == "$5,000.10"
+    page.fill("#id_spend_limit", "0.0000001")
+    assert page.inner_text(f"{spend} .tb-new") == "?" and page.is_visible("#tb-preview-invalid")
+    page.fill("#id_spend_limit", "")
+    assert page.inner_text(f"{spend} .tb-new") == "∞" and not page.is_visible("#tb-preview-invalid")
     screen.shot("p09-limits-preview")
 
     # What does not exist is a 404 in the product's look, not a 403.

@@ -175,7 +175,8 @@ def test_an_over_quota_request_is_refused_429_at_the_client(
         input_limit=account.input_limit,
         output_limit=10,
         concurrency_limit=account.concurrency_limit,
-        expected=(account.input_limit, account.output_limit, account.concurrency_limit),
+        spend_limit=account.spend_limit,
+        expected=(account.input_limit, account.output_limit, account.concurrency_limit, account.spend_limit),
         reason="the tenant's output quota is nearly spent",
         actor=SYSTEM_ACTOR,
     )

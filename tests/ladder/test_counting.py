@@ -14,6 +14,7 @@ from ladder.counting import (
     CountingUnavailable,
     CountMethod,
     MemoryCountCache,
+    TextCounts,
     TokenizerCounter,
     UpperBoundCounter,
     cache_key,
@@ -88,6 +89,100 @@ def test_template_revision_separates_cache_entries() -> None:
     count(stream(["same text"]), spy, cache, "meta/1")
     count(stream(["same text"]), spy, cache, "meta/2")
     assert len(spy.calls) == 2
+
+
+class SpyCache(MemoryCountCache):
+    """A shared cache that records every key it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[list[str]] = []
+
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        self.asked.append(list(keys))
+        return super().get_many(keys)
+
+
+def new_strings(texts: Sequence[str]) -> list[str]:
+    """Equal texts as new string objects (as a new request's parse makes them)."""
+    return [(text + "\x00")[:-1] for text in texts]
+
+
+def known_count(
+    pieces: Sequence[Piece],
+    counter: object,
+    cache: MemoryCountCache,
+    known: TextCounts,
+    revision: str = "meta/1",
+) -> int:
+    return count_stream(
+        pieces,
+        counter,  # type: ignore[arg-type]
+        cache,
+        template_revision=revision,
+        image_formula="tiles512",
+        known=known,
+    ).total
+
+
+def test_a_warm_count_asks_neither_the_shared_cache_nor_the_counter() -> None:
+    texts = [Gen(seed).prose(40) for seed in range(4)] + ["合同条款"]
+    spy, cache, known = SpyCounter(legacy_counter()), SpyCache(), TextCounts(10_000)
+    first = known_count(stream(texts), spy, cache, known)
+    assert len(spy.calls) == 1 and len(cache.asked) == 1
+    again = new_strings(texts)
+    assert all(a is not b for a, b in zip(again, texts, strict=True))
+    assert known_count(stream(again), spy, cache, known) == first
+    assert len(spy.calls) == 1 and len(cache.asked) == 1, "every segment came from the process's counts"
+    # Another process (an empty TextCounts) finds them in the shared cache, and keeps them.
+    other = TextCounts(10_000)
+    assert known_count(stream(again), spy, cache, other) == first
+    assert len(spy.calls) == 1 and len(cache.asked) == 2
+    assert other.get_many(spy.digest, "meta/1", texts) == known.get_many(spy.digest, "meta/1", texts)
+
+
+def test_process_counts_are_kept_apart_by_counter_digest_and_template_revision() -> None:
+    known = TextCounts(1_000)
+    known.set_many("sha256:a", "meta/1", {"hello": 3})
+    assert known.get_many("sha256:a", "meta/1", ["hello", "other"]) == [3, None]
+    assert known.get_many("sha256:b", "meta/1", ["hello"]) == [None]
+    assert known.get_many("sha256:a", "meta/2", ["hello"]) == [None]
+
+    spy, cache = SpyCounter(legacy_counter()), MemoryCountCache()
+    known_count(stream(["same text"]), spy, cache, known, "meta/1")
+    known_count(stream(["same text"]), spy, cache, known, "meta/2")
+    assert len(spy.calls) == 2, "a new template revision is counted anew"
+
+
+def test_a_hot_swapped_tokenizer_never_reuses_the_process_counts_of_the_old_one(tmp_path: Path) -> None:
+    old = legacy_counter()
+    new = TokenizerCounter.from_file(_modified_copy(LEGACY_FILE, tmp_path / "swapped.json", 20_000))
+    texts = [Gen(seed).prose(60) for seed in range(5)]
+    known = TextCounts(100_000)
+    known_count(stream(texts), old, MemoryCountCache(), known)
+    # Poison the old tokenizer's entries: a reuse under the new digest would show.
+    known.set_many(old.digest, "meta/1", dict.fromkeys(texts, 10**9))
+    spy = SpyCounter(new)
+    total = known_count(stream(texts), spy, MemoryCountCache(), known)
+    assert spy.calls == [texts]
+    assert total == sum(new.count_many(texts)) + len(texts) + 1
+    assert known.get_many(new.digest, "meta/1", texts) == new.count_many(texts)
+
+
+def test_process_counts_are_bounded_by_characters_least_recently_used_out_first() -> None:
+    known = TextCounts(10)
+    known.set_many("d", "r", {"aaaa": 1, "bbbb": 2})
+    assert known.get_many("d", "r", ["aaaa"]) == [1]  # "aaaa" is now the most recently used
+    known.set_many("d", "r", {"cccc": 3})
+    assert known.get_many("d", "r", ["aaaa", "bbbb", "cccc"]) == [1, None, 3]
+    assert known.chars == 8 and len(known) == 2
+    known.set_many("d", "r", {"x" * 11: 4})
+    assert known.get_many("d", "r", ["x" * 11]) == [None], "a text over the bound is not kept"
+    known.clear()
+    assert len(known) == 0 and known.chars == 0
+    nothing = TextCounts(0)
+    nothing.set_many("d", "r", {"a": 1})
+    assert len(nothing) == 0
 
 
 def _modified_copy(source: Path, target: Path, drop_merges: int) -> Path:

@@ -250,6 +250,83 @@ ANTHROPIC_USAGE_PAGE = {
 }
 
 
+# Anthropic's cost report (GET /v1/organizations/cost_report). The first page is the "Response 200" example of
+# Anthropic's API reference, "Get Cost Report" (amounts are decimal strings in cents: "123.78912" is
+# $1.2378912); the second, the next day's bucket, follows the same documented schema: one model's output
+# tokens in two service tiers (one cost line, added up) and a web search cost, which names no model.
+ANTHROPIC_COST_CURSOR = "2019-12-27T18:11:19.117Z"
+ANTHROPIC_COST_PAGES = [
+    {
+        "data": [
+            {
+                "ending_at": "2025-08-02T00:00:00Z",
+                "results": [
+                    {
+                        "amount": "123.78912",
+                        "context_window": "0-200k",
+                        "cost_type": "tokens",
+                        "currency": "USD",
+                        "description": "Claude Sonnet 4 Usage - Input Tokens",
+                        "model": "claude-sonnet-4-20250514",
+                        "service_tier": "standard",
+                        "token_type": "uncached_input_tokens",
+                        "workspace_id": "wrkspc_01JwQvzr7rXLA5AGx3HKfFUJ",
+                    }
+                ],
+                "starting_at": "2025-08-01T00:00:00Z",
+            }
+        ],
+        "has_more": True,
+        "next_page": ANTHROPIC_COST_CURSOR,
+    },
+    {
+        "data": [
+            {
+                "ending_at": "2025-08-03T00:00:00Z",
+                "results": [
+                    {
+                        "amount": "250",
+                        "context_window": "0-200k",
+                        "cost_type": "tokens",
+                        "currency": "USD",
+                        "description": "Claude Sonnet 4 Usage - Output Tokens",
+                        "model": "claude-sonnet-4-20250514",
+                        "service_tier": "standard",
+                        "token_type": "output_tokens",
+                        "workspace_id": "wrkspc_01JwQvzr7rXLA5AGx3HKfFUJ",
+                    },
+                    {
+                        "amount": "125.5",
+                        "context_window": "0-200k",
+                        "cost_type": "tokens",
+                        "currency": "USD",
+                        "description": "Claude Sonnet 4 Batch Usage - Output Tokens",
+                        "model": "claude-sonnet-4-20250514",
+                        "service_tier": "batch",
+                        "token_type": "output_tokens",
+                        "workspace_id": "wrkspc_01JwQvzr7rXLA5AGx3HKfFUJ",
+                    },
+                    {
+                        "amount": "1000",
+                        "context_window": None,
+                        "cost_type": "web_search",
+                        "currency": "USD",
+                        "description": "Web Search Usage",
+                        "model": None,
+                        "service_tier": None,
+                        "token_type": None,
+                        "workspace_id": "wrkspc_01JwQvzr7rXLA5AGx3HKfFUJ",
+                    },
+                ],
+                "starting_at": "2025-08-02T00:00:00Z",
+            }
+        ],
+        "has_more": False,
+        "next_page": None,
+    },
+]
+
+
 def mock_client(routes: Mapping[str, Route], seen: list[httpx2.Request] | None = None) -> httpx2.Client:
     """An HTTP client whose transport answers each path from ``routes`` (404 for any other)."""
 

@@ -114,7 +114,8 @@ def test_the_beat_fetches_the_anthropic_usage_report_from_the_simulator(cat, sim
     monkeypatch.setenv("TB_TEST_ANTHROPIC_ADMIN_KEY", "sk-ant-admin-test")
     call_provider(sim, "prov-anthropic", max_tokens=9)
     billed = sim.entry("prov-anthropic")
-    assert billing.fetch_and_import(now=now())["imports"] == 1
+    # The usage report and the cost report (tests/reconciliation/test_anthropic_costs.py).
+    assert billing.fetch_and_import(now=now())["imports"] == 2
     drift = BucketDrift.objects.get()
     assert (drift.billed_input, drift.billed_output) == (billed.prompt_tokens, billed.completion_tokens)
 

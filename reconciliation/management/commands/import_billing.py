@@ -16,8 +16,8 @@ from reconciliation.providers.exports import EXPORT_FORMATS, BillingExportFormat
 class Command(BaseCommand):
     help = (
         "Import a provider billing export (CSV or JSONL, per request or per time bucket) or a usage report "
-        "saved from a provider's API (openai-usage, openai-costs, anthropic-usage). Idempotent: the same "
-        "export again, whatever its line endings or byte-order mark, changes nothing."
+        "saved from a provider's API (openai-usage, openai-costs, anthropic-usage, anthropic-costs). "
+        "Idempotent: the same export again, whatever its line endings or byte-order mark, changes nothing."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:

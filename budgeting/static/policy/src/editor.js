@@ -1,6 +1,7 @@
 // The policy editor: CodeMirror 6 with JSON highlighting, parse errors, and the published policy JSON Schema
-// for completion, hover help and inline errors. Bundled into ../editor.js (see ../README.md); the textarea it
-// replaces stays the form field, so the page still works without JavaScript.
+// (its local $refs inlined first, see schema.js) for completion, hover help and inline errors. Bundled into
+// ../editor.js (see ../README.md); the textarea it replaces stays the form field, so the page still works
+// without JavaScript.
 import { EditorView, basicSetup } from "codemirror";
 import { EditorState } from "@codemirror/state";
 import { linter, lintGutter } from "@codemirror/lint";
@@ -13,6 +14,7 @@ import {
   jsonSchemaLinter,
   stateExtensions,
 } from "codemirror-json-schema";
+import { inlineRefs } from "./schema.js";
 
 function attach(textarea, schema) {
   const readOnly = textarea.hasAttribute("readonly");
@@ -36,7 +38,6 @@ function attach(textarea, schema) {
       ],
     }),
   });
-  view.dom.classList.add("tb-policy-editor");
   textarea.parentNode.insertBefore(view.dom, textarea);
   textarea.hidden = true;
   return view;
@@ -45,7 +46,7 @@ function attach(textarea, schema) {
 function start() {
   const source = document.getElementById("policy-schema");
   if (!source) return;
-  const schema = JSON.parse(source.textContent);
+  const schema = inlineRefs(JSON.parse(source.textContent));
   document.querySelectorAll("textarea[data-policy-editor]").forEach((t) => attach(t, schema));
 }
 

@@ -1,0 +1,37 @@
+"""The deployment's count cache: Redis writes with their expiry, and the process's layers dropped when the
+active policy moves (a rollback clears the shared cache too: SPEC §6)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from budgeting.admission.count_cache import LayeredCountCache, RedisCountCache
+
+
+def test_counts_are_written_to_redis_with_their_expiry(redis_db: Any) -> None:
+    cache = RedisCountCache(redis_db, ttl_seconds=120)
+    cache.set_many({"tc:test:a": 3, "tc:test:b": 0})
+    assert cache.get_many(["tc:test:a", "tc:test:b", "tc:test:c"]) == [3, 0, None]
+    assert 0 < redis_db.ttl("tc:test:a") <= 120
+    assert 0 < redis_db.ttl("tc:test:b") <= 120
+
+
+def test_a_move_of_the_active_policy_drops_both_local_layers() -> None:
+    # Never connected: only the local layers are used here.
+    layered = LayeredCountCache(RedisCountCache(redis.Redis(port=1), ttl_seconds=1), 100, 1_000)
+    layered.under_policy(7)
+
+    def remember() -> None:
+        layered.texts.set_many("sha256:t", "meta/1", {"text": 2})
+        layered.local["tc:key"] = 2
+
+    remember()
+    assert layered.under_policy(7) is layered
+    assert layered.texts.get_many("sha256:t", "meta/1", ["text"]) == [2] and layered.local
+    layered.under_policy(6)
+    assert layered.texts.get_many("sha256:t", "meta/1", ["text"]) == [None] and not layered.local
+    remember()
+    layered.forget_local()
+    assert len(layered.texts) == 0 and not layered.local

@@ -1,0 +1,124 @@
+"""A lifecycle call's one write, on a row read without a lock (``lifecycle._written``): when another
+transaction changes the reservation between the read and the write, the write applies to nothing and the call
+runs again under the row's lock — never on the state it read. Real commits, the change made from a second
+connection at the exact moment between the two statements."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ledger import locks
+from ledger.errors import StaleFence
+from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
+from ledger.selectors import audit
+from ledger.services import lifecycle, postings
+from tests.dbwork import second_connection
+from tests.ledger.helpers import admit, catalog, now, spec, tenant_account
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def cat():
+    cat = catalog()
+    tenant_account(cat, input_limit=100_000, output_limit=100_000, concurrency_limit=10)
+    return cat
+
+
+def between_read_and_write(monkeypatch, sql: str, params: tuple[Any, ...]) -> list[int]:
+    """Commit ``sql`` from another connection right after the call's unlocked read (once); returns the list
+    of the reads made, unlocked (0) or locked (1), in order."""
+    reads: list[int] = []
+    read, lock = locks.read_reservation, locks.lock_reservation
+
+    def read_then_change(*args: Any) -> Reservation | None:
+        found = read(*args)
+        if not reads:
+            with second_connection(autocommit=True) as other:
+                other.execute(sql, params)
+        reads.append(0)
+        return found
+
+    def locked(*args: Any) -> Reservation | None:
+        reads.append(1)
+        return lock(*args)
+
+    monkeypatch.setattr(locks, "read_reservation", read_then_change)
+    monkeypatch.setattr(locks, "lock_reservation", locked)
+    return reads
+
+
+def dispatch(r: Reservation, cat: Any) -> Callable[[], Reservation]:
+    return lambda: lifecycle.dispatch(
+        reservation_id=r.pk,
+        tenant_ids=[cat.tenant.pk],
+        fence=1,
+        provider_request_id=f"p-{r.pk}",
+        admitted_digest=r.admitted_digest,
+        now=now(),
+    )
+
+
+def test_a_reclaim_between_the_read_and_the_write_makes_the_call_stale(monkeypatch, cat):
+    r = admit(spec(cat)).reservation
+    reads = between_read_and_write(
+        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
+    )
+    with pytest.raises(StaleFence):
+        dispatch(r, cat)()
+    # The unlocked attempt wrote nothing; the locked one saw the new fence.
+    assert reads == [0, 1]
+    row = Reservation.objects.get(pk=r.pk)
+    assert (row.state, row.fence, row.input_consumed) == (State.RESERVED, 2, 0)
+    assert not LedgerEntry.objects.filter(reservation=r, kind="POST").exists()
+    assert audit().ok
+
+
+def test_without_the_version_condition_the_stale_read_would_be_written(monkeypatch, cat):
+    """The negative control: the same race with the write's version condition left out dispatches a
+    reservation whose fence is no longer the caller's."""
+    r = admit(spec(cat)).reservation
+    between_read_and_write(
+        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
+    )
+    unguarded = postings.Postings.__init__
+
+    def without_version(self: postings.Postings, *args: Any, **kwargs: Any) -> None:
+        unguarded(self, *args, **{**kwargs, "unchanged_since": None})
+
+    monkeypatch.setattr(postings.Postings, "__init__", without_version)
+    dispatch(r, cat)()
+    row = Reservation.objects.get(pk=r.pk)
+    assert (row.state, row.fence) == (State.DISPATCHED, 2)
+
+
+def test_a_concurrent_renewal_is_kept_and_the_call_goes_through_under_the_lock(monkeypatch, cat):
+    r = admit(spec(cat)).reservation
+    reads = between_read_and_write(
+        monkeypatch,
+        "UPDATE ledger_reservation SET lease_expires_at = now() + interval '1 hour' WHERE id = %s",
+        (r.pk,),
+    )
+    done = dispatch(r, cat)()
+    assert reads == [0, 1]
+    row = Reservation.objects.get(pk=r.pk)
+    assert row.state == State.DISPATCHED and done.state == State.DISPATCHED
+    assert row.lease_expires_at is not None and row.lease_expires_at > r.lease_expires_at
+    tenant = CapacityAccount.objects.get(tenant=cat.tenant)
+    assert (tenant.input_reserved, tenant.input_consumed) == (0, r.input_reserved)
+    assert LedgerEntry.objects.filter(reservation=r, kind="POST").count() == 1
+    assert audit().ok
+
+
+def test_an_unchanged_row_takes_the_unlocked_path_only(monkeypatch, cat):
+    r = admit(spec(cat)).reservation
+    reads: list[str] = []
+    read, lock = locks.read_reservation, locks.lock_reservation
+    monkeypatch.setattr(locks, "read_reservation", lambda *a: reads.append("read") or read(*a))
+    monkeypatch.setattr(locks, "lock_reservation", lambda *a: reads.append("lock") or lock(*a))
+    dispatch(r, cat)()
+    assert reads == ["read"]
+    assert Reservation.objects.get(pk=r.pk).state == State.DISPATCHED
