@@ -11,6 +11,7 @@ goes into every count cache key: changing a template's text means a new revision
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from abc import ABC, abstractmethod
