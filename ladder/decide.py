@@ -44,7 +44,16 @@ from ladder.rungs import (
     minimum_evidence_ids,
     trim_order,
 )
-from ladder.walk import Calibration, End, ProviderCount, Request, Target, Walk, final_payload
+from ladder.walk import (
+    Calibration,
+    End,
+    ProviderCount,
+    Request,
+    Target,
+    Walk,
+    final_payload,
+    provider_counted,
+)
 
 ESTIMATOR_REVISION = "ladder/1"
 # A provider-counted decision asks the provider at most this many payloads (FULL, the walk's end, and one
@@ -267,8 +276,13 @@ def decide(
     call); otherwise the walk counts with the model's local tokenizer scaled by the provider's answer, and
     the payload it ends on is counted by the provider; only when that count and the estimate disagree on
     fitting is the walk repeated on the new scale (at most ``MAX_PROVIDER_COUNTS`` provider counts in all).
-    Without ``provider_count`` such a model's counting is unavailable. ``known`` is the process's segment
-    counts by text, consulted before ``cache`` (``ladder.counting.count_stream``).
+    Without ``provider_count`` such a model's counting is unavailable. A model with a ``bound_counter``
+    (OpenAI's, for the tools and tool calls OpenAI's published framing leaves out) is counted locally,
+    EXACT, while its rendering has no ``Bound`` piece; otherwise the walk counts with the local bound, never
+    asking the provider per rung, and the payload it ends on is counted by ``provider_count`` (the one call
+    for most requests; disagreeing on fitting repeats the walk as above). Without ``provider_count`` such a
+    payload keeps its local ``UPPER_BOUND``. ``known`` is the process's segment counts by text, consulted
+    before ``cache`` (``ladder.counting.count_stream``).
 
     Raises ValueError for a non-positive ``requested_max_output`` or ``global_cap``, or a fallback model that
     the policy does not list; TemplateError for an inconsistent ladder state (a bug).
@@ -335,7 +349,7 @@ def _walk_ladder(request: Request, cache: CountCache) -> Decision:
     for _ in range(MAX_PROVIDER_COUNTS - 1):
         walk = _walk(request, request.target(request.model, cache, memo))
         end_target = walk.target
-        if calibration is None or end_target.model.provider_counter is None:
+        if calibration is None or not provider_counted(end_target.model, walk.count):
             return _walked(request, walk)
         remote = calibration.measure(end_target, walk.state)
         provider_fits = remote <= end_target.budget

@@ -38,6 +38,11 @@ class ModelSpec:
     """The provider counting API that counts this model's final payload (``anthropic``, ``gemini``,
     ``openai``), or None when its local tokenizer is exact. With one, ``tokenizer_digest`` names the local
     tokenizer the ladder walks with, calibrated on the provider's counts."""
+    bound_counter: str | None = None
+    """For a model whose local tokenizer is exact: the provider counting API that counts a final payload
+    whose rendering holds ``Bound`` pieces (framing its vendor does not publish: OpenAI's tools, response
+    format, tool calls and results), or None, and such a payload is counted ``UPPER_BOUND``. The walk counts
+    with the local bound; the payload it ends on is counted by the API."""
 
     def __post_init__(self) -> None:
         """Raises ValueError for non-positive sizes, an unknown family, formula, capability or bound rule."""

@@ -305,10 +305,14 @@ class OpenAITemplate(ChatTemplate):
     sent with its content as one string, and counted as that string.
 
     OpenAI does not publish how it frames tool definitions, the response format, tool calls or tool results.
-    Those are ``Bound`` pieces (UTF-8 bytes of the very JSON text, plus ``TOOL_ALLOWANCE`` framing tokens
-    each), so a request holding any of them is counted ``UPPER_BOUND``, never ``EXACT``. The allowance is not
-    a published figure: the bytes of a JSON text already exceed its tokens several times over, and the drift
-    status compares what the provider reports.
+    Those are ``Bound`` pieces, so a request holding any of them is never counted ``EXACT``. Where its pool
+    has OpenAI's counting API (``ModelSpec.bound_counter``), the payload the ladder ends on is counted by it
+    (``PROVIDER_COUNT``, OpenAI's own count of that payload). Without one it is ``UPPER_BOUND``, and that
+    bound rests on two things of unequal strength: the UTF-8 bytes of each text we send, which provably
+    exceed that text's own tokens (every o200k_base/cl100k_base token covers at least one byte); and
+    ``TOOL_ALLOWANCE`` tokens an item for the framing OpenAI adds around it, an assumption — neither published
+    nor measured here — that would not hold if OpenAI rewrote a schema into a form longer in tokens than the
+    JSON is in bytes. It is not a proven bound; the drift status compares it with what the provider reports.
     """
 
     family = "openai"

@@ -85,7 +85,9 @@ class Target:
 
     def count(self, components: Components) -> Count:
         local = self.local_count(components)
-        return local if self.scale is None else self.scale.apply(local)
+        if self.scale is None or not provider_counted(self.model, local):
+            return local
+        return self.scale.apply(local)
 
     def local_count(self, components: Components) -> Count:
         """The count of the local tokenizer, unscaled."""
@@ -99,6 +101,14 @@ class Target:
             memo=self.counts,
             known=self.known,
         )
+
+
+def provider_counted(model: ModelSpec, local: Count) -> bool:
+    """Whether the provider counts a payload of ``model`` whose local count is ``local``: always for a
+    provider-counted model, and for a model with a ``bound_counter`` when the local count is only a bound."""
+    if model.provider_counter is not None:
+        return True
+    return model.bound_counter is not None and local.method == "UPPER_BOUND"
 
 
 def final_payload(route: Route, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
@@ -122,8 +132,8 @@ class Calibration:
     """The payload digest of each state measured, by identity (a state measured twice is digested once)."""
 
     def scale_for(self, model: ModelSpec) -> Scale | None:
-        """The scale of ``model`` (shared by every target of it), or None for a locally exact model."""
-        if model.provider_counter is None:
+        """The scale of ``model`` (shared by every target of it), or None for a model no provider counts."""
+        if model.provider_counter is None and model.bound_counter is None:
             return None
         return self.scales.setdefault(model.id, Scale())
 
@@ -194,11 +204,9 @@ class Request:
         provider counting is available).
         """
         scale = None
-        if model.provider_counter is not None:
-            if self.calibration is None:
-                raise CountingUnavailable(
-                    f"{model.id} is counted by {model.provider_counter}; no counting API"
-                )
+        if model.provider_counter is not None and self.calibration is None:
+            raise CountingUnavailable(f"{model.id} is counted by {model.provider_counter}; no counting API")
+        if self.calibration is not None:
             scale = self.calibration.scale_for(model)
         return Target(
             self.route_to(model), self.exact_counter(model), cache, render_memo, scale=scale, known=self.known

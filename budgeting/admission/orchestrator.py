@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
@@ -33,6 +33,7 @@ from ladder.decision import Decision
 from ladder.messages import build_payload
 from ladder.parser import parse_components
 from ladder.rungs import ModelSpec, minimum_evidence_ids
+from ladder.walk import ProviderCount
 from ladder.wire import decision_manifest, decision_response, step_json
 from ledger.errors import QuotaExceeded
 from ledger.models import Reservation, State
@@ -149,6 +150,21 @@ def _counter_for(
     return counter_for
 
 
+def _provider_count(count: ProviderCount, drifted: frozenset[tuple[str, str]]) -> ProviderCount:
+    """The providers' counts of this admission: a model whose provider count drifted out of the policy's bound
+    (``onExceeded: COUNTING_UNAVAILABLE``) cannot be counted by it (for a provider-counted model its local
+    counter already refuses; an OpenAI model's bound counter is asked here)."""
+
+    def provider_count(spec: ModelSpec, payload: Mapping[str, object], digest: str) -> int:
+        if (spec.id, "PROVIDER_COUNT") in drifted:
+            raise CountingUnavailable(
+                f"the PROVIDER_COUNT counter of {spec.id} drifted out of the policy's counterDrift bound"
+            )
+        return count(spec, payload, digest)
+
+    return provider_count
+
+
 def _decide(
     caller: Caller, request: AdmissionRequest, r: Resolved, drifted: frozenset[tuple[str, str]]
 ) -> Prepared:
@@ -171,7 +187,9 @@ def _decide(
                 fallback_models=r.fallback_specs,
                 counter_for=_counter_for(caller, drifted),
                 cache=cache,
-                provider_count=provider_count_for(r.pool, caller.snapshot.models, cache),
+                provider_count=_provider_count(
+                    provider_count_for(r.pool, caller.snapshot.models, cache), drifted
+                ),
                 known=cache.texts,
             )
         except CountingUnavailable as exc:

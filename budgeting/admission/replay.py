@@ -21,7 +21,7 @@ from budgeting.admission.orchestrator import LIMITS, decision_label
 from budgeting.admission.replay_report import explain, header, mapping, resources
 from budgeting.admission.request import AdmissionRequest, MalformedRequest
 from budgeting.catalog import snapshot as catalog
-from budgeting.catalog.models import ModelRevision, PolicyVersion, Tokenizer
+from budgeting.catalog.models import ModelPool, ModelRevision, PolicyVersion, Tokenizer
 from ladder.components import ComponentError, Components
 from ladder.counting import CountingUnavailable, MemoryCountCache, SegmentCounter, UpperBoundRule
 from ladder.decide import decide
@@ -191,10 +191,11 @@ def _inputs(manifest: Manifest, record: dict[str, Any], differences: list[str]) 
     if requested is None:
         differences.append(f"requested model {requested_name} no longer exists in the catalog")
         return None
-    model = _spec(requested, digests.get(requested_name), final if requested_name == final_id else {})
+    pool = manifest.model_pool
+    model = _spec(requested, pool, digests.get(requested_name), final if requested_name == final_id else {})
     pool_models = set(manifest.model_pool.revisions.values_list("name", flat=True))
     fallbacks = tuple(
-        _spec(revisions[name], digests.get(name), final if name == final_id else {})
+        _spec(revisions[name], pool, digests.get(name), final if name == final_id else {})
         for name in task_policy.fallback_models
         if name in revisions and name in pool_models
     )
@@ -313,9 +314,12 @@ def _recorded_digests(
     return {str(final_id): str(digest)} if final_id and digest else {}
 
 
-def _spec(revision: ModelRevision, digest: str | None, recorded: Mapping[str, Any]) -> ModelSpec:
-    """The model as the ladder saw it: its recorded tokenizer digest, window and output cap when on record."""
-    spec = catalog.model_spec(revision)
+def _spec(
+    revision: ModelRevision, pool: ModelPool, digest: str | None, recorded: Mapping[str, Any]
+) -> ModelSpec:
+    """The model as the ladder saw it in ``pool``: its recorded tokenizer digest, window and output cap when
+    on record."""
+    spec = catalog.model_spec(revision, pool)
     if digest and digest != spec.tokenizer_digest:
         tokenizer = Tokenizer.objects.filter(digest=digest).first()
         rule = tokenizer.upper_bound_rule if tokenizer is not None else revision.tokenizer.upper_bound_rule

@@ -21,6 +21,7 @@ from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from budgeting.admission import drift
 from budgeting.backoffice import formats
@@ -238,7 +239,7 @@ class ModelRevisionAdmin(AuditedAdmin[ModelRevision]):
         if not found:
             return "no settled call with a provider-reported input yet"
         return format_html_join(
-            format_html("<br>"),
+            mark_safe("<br>"),
             "{}: p50 {} · p99 {} over {} calls — {}",
             (
                 (

@@ -24,10 +24,12 @@ from django.db import InterfaceError, OperationalError
 from budgeting.catalog.errors import NotFound, Unavailable
 from budgeting.catalog.models import (
     ApiToken,
+    Counter,
     ModelPool,
     ModelRevision,
     PolicyAlias,
     Price,
+    Provider,
     ServiceClient,
     TaskClass,
     Tenant,
@@ -86,7 +88,28 @@ class _Token:
     expires_at: datetime | None
 
 
-def model_spec(revision: ModelRevision) -> ModelSpec:
+# The pools whose provider base URL answers OpenAI's counting API: OpenAI's own, and the simulator's.
+_OPENAI_COUNTING_PROVIDERS = frozenset({Provider.OPENAI, Provider.SIMULATOR})
+
+
+def bound_counter(revision: ModelRevision, pool: ModelPool | None) -> str | None:
+    """The counting API that counts what ``revision``'s exact tokenizer can only bound, in ``pool``, or None.
+
+    An OpenAI-family revision counted locally (``counter: local``) renders the tools, response format, tool
+    calls and results OpenAI does not publish the framing of as ``Bound`` pieces; a pool that names a
+    provider base URL of OpenAI (or the simulator, which answers the same API) counts such a payload through
+    ``POST /v1/responses/input_tokens`` (``PROVIDER_COUNT``). Without one the local bound stays.
+    """
+    if revision.template_family != "openai" or revision.counter != Counter.LOCAL or pool is None:
+        return None
+    if not pool.provider_base_url.strip() or pool.provider not in _OPENAI_COUNTING_PROVIDERS:
+        return None
+    return Counter.OPENAI.value
+
+
+def model_spec(revision: ModelRevision, pool: ModelPool | None = None) -> ModelSpec:
+    """The ladder's view of ``revision`` as ``pool`` serves it (without a pool: no counting API for what its
+    tokenizer can only bound)."""
     return ModelSpec(
         id=revision.name,
         context_window=revision.context_window,
@@ -99,6 +122,7 @@ def model_spec(revision: ModelRevision) -> ModelSpec:
         tokenizer_digest=revision.tokenizer.digest,
         upper_bound=cast(UpperBoundRule, revision.tokenizer.upper_bound_rule) or None,
         provider_counter=None if revision.counter == "local" else revision.counter,
+        bound_counter=bound_counter(revision, pool),
     )
 
 
@@ -192,13 +216,15 @@ class Snapshot:
         if self.global_cap_floor is not None:
             global_cap = min(global_cap, self.global_cap_floor)
         fallbacks = tuple(
-            model_spec(m) for name in task_policy.fallback_models if (m := self._served(name, mp)) is not None
+            model_spec(m, mp)
+            for name in task_policy.fallback_models
+            if (m := self._served(name, mp)) is not None
         )
         return Resolved(
             task_class=tc,
             pool=mp,
             model=model,
-            model_spec=model_spec(model),
+            model_spec=model_spec(model, mp),
             policy_revision=self.policy.revision,
             task_policy=task_policy,
             global_cap=global_cap,

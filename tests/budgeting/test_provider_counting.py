@@ -44,7 +44,10 @@ pytestmark = pytest.mark.django_db
 
 CLAUDE = "claude-sonnet-4-5@2025-09-29"
 GEMINI = "gemini-2.5-flash@2025-06-17"
+GPT = "gpt-4o@2024-08-06"
 POOL = "eu-frontier"
+# The demo's pool where the simulator's OpenAI counting API counts what gpt-4o's framing leaves out.
+GPT_POOL = "us-frontier"
 
 
 @pytest.fixture
@@ -59,18 +62,18 @@ def sim() -> Iterator[Simulator]:
 def api(redis_db: Any, sim: Simulator) -> APIClient:
     client = demo_api()
     # As ``manage.py simulate`` does: the demo pool's provider is this test's simulator.
-    ModelPool.objects.filter(slug=POOL).update(provider_base_url=sim.base_url)
+    ModelPool.objects.filter(slug__in=[POOL, GPT_POOL]).update(provider_base_url=sim.base_url)
     return client
 
 
 def body(
-    model: str, request_id: str, *, task_class: str = "contract-review", **components: Any
+    model: str, request_id: str, *, task_class: str = "contract-review", pool: str = POOL, **components: Any
 ) -> dict[str, Any]:
     return {
         "requestId": request_id,
         "tenantId": "t-19",
         "taskClass": task_class,
-        "modelPool": POOL,
+        "modelPool": pool,
         "modelRevision": model,
         "maxOutput": 800,
         "components": {**base_components(), **components},
@@ -175,6 +178,72 @@ def test_a_failing_counting_api_follows_the_counting_unavailable_rule(
 
     counted = admit(api, body(CLAUDE, f"req-{fault}-back", task_class="support-chat", tools=[]))
     assert counted.json()["countMethod"] == "PROVIDER_COUNT", "counting comes back with the API"
+
+
+def gpt(request_id: str, *, pool: str = GPT_POOL, **components: Any) -> dict[str, Any]:
+    return body(GPT, request_id, pool=pool, **components)
+
+
+def test_an_openai_request_with_tools_is_counted_by_openai_once_then_the_cache_answers(
+    api: APIClient, sim: Simulator
+) -> None:
+    first = admit(api, gpt("req-gpt-tools-1"))
+    assert first.status_code == 201, first.json()
+    data = first.json()
+    assert data["countMethod"] == "PROVIDER_COUNT", "tools: OpenAI's count, never called EXACT"
+    [(called, provider_model, tokens)] = sim.counts()
+    assert (called, provider_model) == ("openai", "gpt-4o")
+    assert data["tokens"]["input"] == tokens
+    manifest = Manifest.objects.get(pk=data["manifestId"])
+    assert manifest.count_method == "PROVIDER_COUNT"
+    assert manifest.record["providerCounts"] == [{"payloadDigest": data["admittedDigest"], "tokens": tokens}]
+
+    forget_local_caches()
+    again = admit(api, gpt("req-gpt-tools-2"))
+    assert (again.status_code, again.json()["tokens"]["input"]) == (201, tokens)
+    assert sim.count_attempts == 1, "the same payload again: the count cache answered"
+
+    # The replay decides again from the recorded count, and calls nothing.
+    replayed = replay_manifest(data["manifestId"])
+    assert replayed.differences == [], replayed.differences
+    assert sim.count_attempts == 1
+
+
+def test_an_openai_request_without_tools_is_exact_and_calls_nothing(api: APIClient, sim: Simulator) -> None:
+    res = admit(api, gpt("req-gpt-plain", tools=[]))
+    assert res.status_code == 201, res.json()
+    assert res.json()["countMethod"] == "EXACT"
+    assert sim.count_attempts == 0
+
+
+def test_an_openai_request_with_tools_in_a_pool_without_the_counting_api_keeps_the_upper_bound(
+    api: APIClient, sim: Simulator
+) -> None:
+    res = admit(api, gpt("req-gpt-us-small", pool="us-small"))
+    assert res.status_code == 201, res.json()
+    assert res.json()["countMethod"] == "UPPER_BOUND"
+    assert sim.count_attempts == 0
+
+
+@pytest.mark.parametrize("fault", ["rate_limited", "http_5xx"])
+def test_openai_counting_down_follows_the_counting_unavailable_rule(
+    api: APIClient, sim: Simulator, fault: str
+) -> None:
+    sim.script_count(fault, count=2)
+    rejected = admit(api, gpt(f"req-gpt-{fault}-reject"))
+    assert rejected.status_code == 503, rejected.json()
+    assert rejected.json()["code"] == "COUNTING_UNAVAILABLE"
+
+    # support-chat's policy counts with the approved upper bound instead, without degrading anything.
+    bounded = admit(api, gpt(f"req-gpt-{fault}-bound", task_class="support-chat"))
+    assert bounded.status_code == 201, bounded.json()
+    data = bounded.json()
+    assert (data["countMethod"], data["rung"]) == ("UPPER_BOUND", "FULL")
+    assert Manifest.objects.get(pk=data["manifestId"]).record["hardBucketChanges"] == 0
+    assert sim.counts() == [], "nothing was counted by the provider"
+
+    back = admit(api, gpt(f"req-gpt-{fault}-back", task_class="support-chat"))
+    assert back.json()["countMethod"] == "PROVIDER_COUNT", "counting comes back with the API"
 
 
 def scrape() -> str:

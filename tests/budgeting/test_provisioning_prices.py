@@ -153,6 +153,7 @@ def test_a_pool_names_its_provider_adapter_and_key_variables():
         "eu-large": ("openai", "openai", "OPENAI_API_KEY", "OPENAI_ADMIN_KEY"),
         "us-small": ("anthropic", "anthropic-messages", "", ""),
         "eu-frontier": ("simulator", "simulator", "", ""),
+        "us-frontier": ("simulator", "simulator", "", ""),
     }
     assert not apply_config(doc).changed
 

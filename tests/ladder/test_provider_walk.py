@@ -27,6 +27,9 @@ from ladder.rungs import ModelSpec
 
 from .conftest import counter_for, models
 from .fixtures import FIXTURES, fixture, task_policy
+from .test_family_ladder import counter_for as family_counter_for
+from .test_family_ladder import recount
+from .test_family_ladder import spec as family_spec
 
 LIMITS = Limits()
 MAX_OUTPUT = 1000
@@ -166,3 +169,102 @@ def test_apportion_shares_a_total_in_proportion(parts: dict[str, int], total: in
 def test_apportion_refuses_negative_counts() -> None:
     with pytest.raises(ValueError):
         apportion({"a": -1}, 3)
+
+
+# ------------------------------------------------------------- an OpenAI model's tools, counted by its API
+
+
+def openai_spec(budget: int, *, bound_counter: str | None = "openai") -> ModelSpec:
+    return replace(family_spec("gpt-4o@1", budget + MAX_OUTPUT), bound_counter=bound_counter)
+
+
+def openai_run(
+    data: dict[str, Any], provider: Any, budget: int, *, bound_counter: str | None = "openai", **policy: Any
+) -> Decision:
+    return decide(
+        parse_components(data, limits=LIMITS),
+        request_id="req-1",
+        model=openai_spec(budget, bound_counter=bound_counter),
+        requested_max_output=MAX_OUTPUT,
+        task_policy=task_policy(**policy),
+        global_cap=10_000_000,
+        fallback_models=[],
+        counter_for=family_counter_for,
+        cache=MemoryCountCache(),
+        provider_count=provider,
+    )
+
+
+def without_unpublished_framing(data: dict[str, Any]) -> dict[str, Any]:
+    """The request without tools, output schema, tool calls or results: what OpenAI publishes framing of."""
+    data.pop("tools", None)
+    data.pop("outputSchema", None)
+    data["recentTurns"] = [
+        turn for turn in data.get("recentTurns", []) if turn["role"] != "tool" and not turn.get("toolCalls")
+    ]
+    return data
+
+
+def test_an_openai_request_with_tools_is_counted_by_the_api_once_and_never_called_exact() -> None:
+    provider = FakeProvider(4, 3)
+    decision = openai_run(fixture("huge_tools"), provider, 10_000_000)
+    assert decision.admitted and decision.rung == "FULL" and decision.count is not None
+    assert decision.count_method == "PROVIDER_COUNT"
+    assert provider.calls == [decision.rendered_digest], "one call, for the payload answered"
+    assert decision.count.total == provider.count_of(decision.payload)
+    assert sum(decision.count.per_bucket.values()) == decision.count.total
+
+    # The same request where the pool has no counting API: the local bound, as before.
+    local = openai_run(fixture("huge_tools"), provider, 10_000_000, bound_counter=None)
+    assert local.count_method == "UPPER_BOUND" and len(provider.calls) == 1
+
+
+def test_an_openai_request_without_unpublished_framing_stays_exact_and_calls_nothing() -> None:
+    provider = FakeProvider(4, 3)
+    decision = openai_run(without_unpublished_framing(fixture("code")), provider, 10_000_000)
+    assert decision.admitted and decision.count_method == "EXACT"
+    assert provider.calls == []
+
+
+def test_a_failing_counting_api_for_an_openai_request_with_tools_follows_the_policy() -> None:
+    def down(spec: ModelSpec, payload: Mapping[str, object], digest: str) -> int:
+        raise CountingUnavailable("OpenAI input_tokens answered 503")
+
+    rejected = openai_run(fixture("huge_tools"), down, 10_000_000)
+    assert (rejected.admitted, rejected.code) == (False, "COUNTING_UNAVAILABLE")
+    assert "503" in rejected.detail
+    bounded = openai_run(fixture("huge_tools"), down, 10_000_000, countingUnavailable="UPPER_BOUND")
+    assert bounded.admitted and bounded.count_method == "UPPER_BOUND" and bounded.rung == "FULL"
+    assert bounded.hard_bucket_changes == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(["code", "huge_tools", "everything"]),
+    divisor=st.integers(1, 6),
+    per_message=st.integers(0, 40),
+    fraction=st.sampled_from([1.2, 1.0, 0.8, 0.5, 0.3]),
+)
+def test_an_openai_walk_on_the_bound_asks_the_api_for_its_end_only(
+    name: str, divisor: int, per_message: int, fraction: float
+) -> None:
+    local = openai_run(fixture(name), None, 10_000_000)
+    assert local.count is not None and local.count_method == "UPPER_BOUND"
+    budget = max(1, int(local.count.total * fraction))
+
+    provider = FakeProvider(divisor, per_message)
+    decision = openai_run(fixture(name), provider, budget)
+    assert len(provider.calls) <= MAX_PROVIDER_COUNTS - 1, "no call for FULL, none per rung"
+    assert len(set(provider.calls)) == len(provider.calls)
+    assert decision.hard_bucket_changes == 0
+    assert decision.count is not None
+    if decision.count_method == "PROVIDER_COUNT":
+        assert decision.count.total == provider.count_of(decision.payload)
+        assert provider.calls[-1] == decision.rendered_digest
+        assert decision.admitted == (decision.count.total <= decision.budget)
+    else:
+        # The ladder dropped everything OpenAI does not publish the framing of: its own tokenizer counted.
+        assert decision.count_method == "EXACT"
+        assert decision.count.total == recount(decision.model, decision.components)
+    if decision.admitted:
+        assert decision.count.total <= decision.budget

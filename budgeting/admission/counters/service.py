@@ -1,11 +1,12 @@
 """Provider counts for admissions: the count cache, the circuit breaker and the metrics in front of the APIs.
 
 ``provider_count_for(pool, models, cache)`` is the ``ladder.walk.ProviderCount`` of one admission: it counts a
-final payload of a provider-counted model revision through the pool's provider base URL, with the key from the
-environment variable the pool names (as the reconciler's lookups do). Counts are cached by (model revision,
-counter, payload digest) in the admission's count cache, under the ``tc:`` prefix that a policy rollback
-clears, so a provider count has the isolation of a tokenizer count. Any failure, and an open circuit, is
-``CountingUnavailable``: the policy's counting-unavailable rule decides.
+final payload of a provider-counted model revision (or, for an OpenAI model, a payload whose tools or tool
+calls its tokenizer can only bound: ``ModelSpec.bound_counter``) through the pool's provider base URL, with
+the key from the environment variable the pool names (as the reconciler's lookups do). Counts are cached by
+(model revision, counter, payload digest) in the admission's count cache, under the ``tc:`` prefix that a
+policy rollback clears, so a provider count has the isolation of a tokenizer count. Any failure, and an
+open circuit, is ``CountingUnavailable``: the policy's counting-unavailable rule decides.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def provider_count_for(
     api_key = os.environ.get(pool.api_key_env) if pool.api_key_env else None
 
     def count(spec: ModelSpec, payload: Mapping[str, object], payload_digest: str) -> int:
-        name = spec.provider_counter
+        name = spec.provider_counter or spec.bound_counter
         revision = models.get(spec.id)
         if name is None or revision is None:
             raise CountingUnavailable(f"{spec.id} has no counting API")
