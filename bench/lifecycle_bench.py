@@ -119,8 +119,17 @@ def fill(url: str, reservations: int, entries: int) -> float:
             """,
             (entries // reservations, accounts, len(accounts)),
         )
+        conn.execute(HOLDS, (accounts[:3],))
         conn.execute("VACUUM ANALYZE")
     return time.perf_counter() - started
+
+
+# A reservation keeps its holds (one per account it held on, three here) after it settles: the bulk ones too,
+# so that the look-up of a reservation's holds is planned on a table of the large database's size.
+HOLDS = """
+INSERT INTO ledger_hold (reservation_id, account_id)
+SELECT r.id, a FROM ledger_reservation r, unnest(%s::bigint[]) AS a WHERE r.request_id LIKE 'bulk-%%'
+"""
 
 
 class Client:
@@ -180,19 +189,21 @@ def cycle(client: Client, tag: str, times: dict[str, list[float]]) -> None:
 RAW_LOCK = "SELECT fence, state FROM ledger_reservation WHERE id = %s FOR UPDATE"
 RAW_RELEASE = """
 UPDATE ledger_capacityaccount
-   SET input_reserved = input_reserved - 10, output_reserved = output_reserved - 10, in_flight = in_flight - 1
+   SET input_reserved = input_reserved - 10, output_reserved = output_reserved - 10,
+       in_flight = in_flight - 1, spend_reserved = spend_reserved - 20
  WHERE id = %s
 """
 RAW_SETTLE = """
 UPDATE ledger_reservation SET state = 'SETTLED', outcome = 'RELEASED', remaining = 0, released = 10,
-       concurrency_held = false, settled_at = now(), updated_at = now()
+       spend_remaining = 0, spend_released = 20, concurrency_held = false, settled_at = now(),
+       updated_at = now()
  WHERE id = %s
 """
 RAW_ENTRY = """
 INSERT INTO ledger_ledgerentry (account_id, reservation_id, kind, input_reserved, output_reserved,
     input_consumed, output_consumed, in_flight, spend_reserved, spend_consumed, period_start, reason,
     created_by, created_at)
-VALUES (%s, %s, %s, %s, %s, 0, 0, %s, 0, 0, now(), '', '', now())
+VALUES (%s, %s, %s, %s, %s, 0, 0, %s, %s, 0, now(), '', '', now())
 """
 
 
@@ -213,13 +224,13 @@ def raw_pairs(url: str, seconds: float, account_ids: list[int], tenant: int, ref
                 if conn.execute(RAW_UPDATE, (account,)).rowcount != 1:
                     raise RuntimeError("baseline ran out of capacity")
             for account in account_ids:
-                conn.execute(RAW_ENTRY, (account, rid, "HOLD", 10, 10, 1))
+                conn.execute(RAW_ENTRY, (account, rid, "HOLD", 10, 10, 1, 20))
         with conn.transaction():
             conn.execute(RAW_LOCK, (rid,)).fetchone()
             for account in account_ids:
                 conn.execute(RAW_RELEASE, (account,))
             for account in account_ids:
-                conn.execute(RAW_ENTRY, (account, rid, "RELEASE", -10, -10, -1))
+                conn.execute(RAW_ENTRY, (account, rid, "RELEASE", -10, -10, -1, -20))
             conn.execute(RAW_SETTLE, (rid,))
         return True
 
