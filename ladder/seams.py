@@ -30,12 +30,11 @@ from __future__ import annotations
 import unicodedata
 from functools import lru_cache
 
-_CJK = ((0x4E00, 0x9FA5), (0x3040, 0x309F), (0x30A0, 0x30FF))
-
 
 def _cjk(char: str) -> bool:
+    """In pass 2's ranges: U+4E00-U+9FA5, and U+3040-U+309F with U+30A0-U+30FF (one range together)."""
     point = ord(char)
-    return any(low <= point <= high for low, high in _CJK)
+    return 0x4E00 <= point <= 0x9FA5 or 0x3040 <= point <= 0x30FF
 
 
 @lru_cache(maxsize=4096)
@@ -48,6 +47,7 @@ def _kind(char: str) -> str:
     return current[0]
 
 
+@lru_cache(maxsize=65536)
 def splits_between(a: str, b: str) -> bool:
     """Whether DeepSeek-V3's pre-tokenizer ends a piece between the characters ``a`` and ``b`` of a text."""
     kind_a, kind_b = _kind(a), _kind(b)

@@ -26,7 +26,7 @@ from ladder.decision import Decision
 from ladder.parser import parse_components
 from ladder.policy import TaskPolicy
 from ladder.rungs import ModelSpec, minimum_evidence_ids
-from ladder.templates import Image, get_template, stream_text
+from ladder.templates import Image, Piece, get_template, stream_text
 from ladder.wire import decision_manifest, decision_response
 
 from .conftest import counter_for, models
@@ -71,11 +71,17 @@ def full_tokens(data: dict[str, Any] | Components) -> int:
 
 
 def oracle(decision: Decision, tokenizers: dict[str, Tokenizer]) -> int:
-    """Re-render the final state and encode the whole stream at once with the model's own tokenizer."""
+    """Re-render the final state and encode the whole stream at once with the model's own tokenizer (each
+    stretch between two images on its own: an image is no text, and the texts beside it are counted apart)."""
     pieces = get_template(decision.model.template_family).render(decision.components)
-    text = len(
-        tokenizers[decision.model.tokenizer_digest].encode(stream_text(pieces), add_special_tokens=False)
-    )
+    stretches: list[list[Piece]] = [[]]
+    for piece in pieces:
+        if isinstance(piece, Image):
+            stretches.append([])
+        else:
+            stretches[-1].append(piece)
+    tokenizer = tokenizers[decision.model.tokenizer_digest]
+    text = sum(len(tokenizer.encode(stream_text(stretch), add_special_tokens=False)) for stretch in stretches)
     formula = decision.model.image_formula
     return text + sum(image_tokens(p.width, p.height, formula) for p in pieces if isinstance(p, Image))
 
