@@ -7,7 +7,9 @@ Two statements move balances, both locking the accounts in ascending id order (t
 ``ledger/locks.py``) inside themselves:
   - ``hold``: a reservation's holds (a new one's INSERT, or a queued one's UPDATE, then the conditional update
     of every account, the holds and one HOLD entry per account): the ONE shape of a hold;
-  - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows.
+  - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows (the
+    reservation's row locked by the use case, or its UPDATE conditional on the row version the use case read,
+    run before the accounts are locked).
 
 Money (``MONEY_BALANCES``) moves only on the accounts kept in the reservation's currency: each statement
 scales a row's money by ``money``, 1 on such an account and 0 elsewhere, before it adds, checks or records
