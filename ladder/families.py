@@ -162,7 +162,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             "byte-level-bpe-nfkc",
             "Hugging Face tokenizers JSON, byte-level BPE after NFKC",
-            frozenset({"deepseek", "meta"}),
+            # Not deepseek: its cuts are proven for DeepSeek-V3's pre-tokenizer, which has no normaliser.
+            frozenset({"meta"}),
             _hf_json,
             _json_bound,
         ),

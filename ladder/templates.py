@@ -11,6 +11,7 @@ goes into every count cache key: changing a template's text means a new revision
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from abc import ABC, abstractmethod
@@ -20,6 +21,7 @@ from typing import Any, TypeAlias
 
 from ladder.components import Components, ImagePart, TextPart, ToolCall
 from ladder.messages import Message, RenderMemo, Segment, TemplateError, build_payload, messages
+from ladder.seams import splits_between
 
 TEMPLATE_BUCKET = "template"
 TEMPLATE_OBJECT = "template"
@@ -57,7 +59,8 @@ class Cut:
 
     Meta's ChatFormat encodes a header's ``\n\n`` and each content part on its own, and OpenAI's published
     framing counts each value of a message on its own, so texts on either side of a cut never merge: their
-    counts add exactly, as across a special token.
+    counts add exactly, as across a special token. In DeepSeek's stream, where the template makes texts
+    touch, a cut is a place where DeepSeek-V3's pre-tokenizer must split the text (``ladder.seams``).
     """
 
 
@@ -153,16 +156,49 @@ def _call_text(call: ToolCall) -> str:
 
 # The DeepSeek tokens are spelled with FULLWIDTH VERTICAL LINE (U+FF5C), exactly as in the tokenizer file.
 class DeepSeekTemplate(ChatTemplate):
-    """DeepSeek-V3 tokens. Every part of a message gets its own role block so that texts never touch."""
+    """DeepSeek-V3, framed as DeepSeek's published chat template frames the payload it is sent.
+
+    The template (``chat_template`` of deepseek-ai/DeepSeek-V3, kept verbatim in
+    ``tests/ladder/deepseek_chat_template.py``) renders the beginning of sentence, then every system
+    message's content, wherever it is in the chat, joined by ``\\n\\n``; then each other message in order:
+
+    - a user's as ``<｜User｜>`` + content;
+    - an assistant's as ``<｜Assistant｜>`` + content + ``<｜end▁of▁sentence｜>``, or right after tool
+      results as ``<｜tool▁outputs▁end｜>`` + content + ``<｜end▁of▁sentence｜>``;
+    - a tool result as ``<｜tool▁output▁begin｜>`` + content + ``<｜tool▁output▁end｜>``, the first of the
+      whole chat after ``<｜tool▁outputs▁begin｜>``, every later one after ``\\n``;
+    - the tool calls of an assistant whose content is null, each as ``<｜tool▁call▁begin｜>function``
+      ``<｜tool▁sep｜>`` + name + ``\\n```json\\n`` + arguments + ``\\n```<｜tool▁call▁end｜>``: the first
+      call of the whole chat after ``<｜Assistant｜><｜tool▁calls▁begin｜>``, every later one after ``\\n``
+      and followed by ``<｜tool▁calls▁end｜><｜end▁of▁sentence｜>`` (so a lone first call is never closed);
+
+    and ``<｜tool▁outputs▁end｜>`` when results end the chat, else ``<｜Assistant｜>`` to prompt the reply.
+    The golden tests compare token ids with that very template rendered as Hugging Face's
+    ``apply_chat_template`` renders it.
+
+    The payload sends each text-only message's content as one string, and null for an assistant turn that
+    only calls tools. Texts that touch in the rendered text (system contents around ``\\n\\n``, a user's
+    content before a later result's or call's ``\\n``) are cut only where DeepSeek-V3's pre-tokenizer must
+    split them (``ladder.seams``); around a seam where it may merge, the text from the last such split before
+    the seam to the first after it is one piece, attributed to the object with most characters in it. The
+    cuts are proven for DeepSeek-V3's pre-tokenizer only, so this template frames the ``byte-level-bpe``
+    family alone.
+
+    What the payload sends and the template does not show is a ``Bound`` (its UTF-8 bytes, and no
+    allowance: a JSON text's bytes exceed its tokens several times over, and the drift status watches the
+    framing DeepSeek does not publish), so such a request is counted ``UPPER_BOUND``: tool definitions and
+    the output schema (request fields the template never renders), and the tool calls of an assistant turn
+    that also has text (the template renders only the text). A message holding an image keeps its parts as
+    a list (the template renders none): its texts are counted apart and each image by the revision's image
+    formula.
+    """
 
     family = "deepseek"
-    revision = "deepseek/1"
+    revision = "deepseek/2"
     BOS = "<｜begin▁of▁sentence｜>"
     EOS = "<｜end▁of▁sentence｜>"
     USER = "<｜User｜>"
     ASSISTANT = "<｜Assistant｜>"
-    BEGIN_SYS = "<｜begin▁sys｜>"
-    END_SYS = "<｜end▁sys｜>"
     CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
     CALL_BEGIN = "<｜tool▁call▁begin｜>"
     SEP = "<｜tool▁sep｜>"
@@ -178,8 +214,6 @@ class DeepSeekTemplate(ChatTemplate):
             EOS,
             USER,
             ASSISTANT,
-            BEGIN_SYS,
-            END_SYS,
             CALLS_BEGIN,
             CALL_BEGIN,
             SEP,
@@ -191,62 +225,166 @@ class DeepSeekTemplate(ChatTemplate):
             OUTPUTS_END,
         }
     )
+    SYSTEM_JOIN = "\n\n"
+    NEXT = "\n"
+
+    def payload(self, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
+        """The chat-completions payload: each text-only message's content as one string, and null for an
+        assistant turn that only calls tools."""
+        payload = build_payload(components, memo)
+        sent = [message for message in messages(components, memo) if message.in_payload]
+        entries = payload["messages"]
+        assert isinstance(entries, list) and len(entries) == len(sent)
+        for entry, message in zip(entries, sent, strict=True):
+            text = _content_text(message)
+            if text is not None:
+                entry["content"] = None if message.calls and not text else text
+        return payload
 
     def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
-        yield Special(self.BOS)
-        in_outputs = False
+        items: list[Piece] = [Special(self.BOS)]
+        system = [message for message in message_list if message.role == "system" and message.in_payload]
+        for index, message in enumerate(system):
+            if index:
+                items.append(Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, self.SYSTEM_JOIN))
+            items.extend(self._content(message))
         for message in message_list:
-            if in_outputs and message.role != "tool":
-                yield Special(self.OUTPUTS_END)
-                in_outputs = False
-            if message.role == "tool":
-                if not in_outputs:
-                    yield Special(self.OUTPUTS_BEGIN)
-                    in_outputs = True
-                yield from self._wrapped(message, message.segments, self.OUTPUT_BEGIN, self.OUTPUT_END)
-            elif message.role == "system":
-                yield from self._wrapped(message, message.segments, self.BEGIN_SYS, self.END_SYS)
-            elif message.role == "user":
-                yield from self._wrapped(message, message.segments, self.USER, None)
+            if not message.in_payload:
+                items.extend(
+                    Bound(message.bucket, message.object_id, segment.part.text)
+                    for segment in message.segments
+                    if isinstance(segment.part, TextPart)
+                )
+        first_call = True
+        first_output = True
+        after_outputs = False
+        for message in message_list:
+            if message.role == "system":
+                continue
+            if message.role == "user":
+                after_outputs = False
+                items.append(Special(self.USER))
+                items.extend(self._content(message))
+            elif message.role == "tool":
+                after_outputs = True
+                if first_output:
+                    items.append(Special(self.OUTPUTS_BEGIN))
+                    first_output = False
+                else:
+                    items.append(Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, self.NEXT))
+                items.append(Special(self.OUTPUT_BEGIN))
+                items.extend(self._content(message))
+                items.append(Special(self.OUTPUT_END))
+            elif message.calls and _content_text(message) == "":
+                after_outputs = False
+                for call in message.calls:
+                    if first_call:
+                        items.extend((Special(self.ASSISTANT), Special(self.CALLS_BEGIN)))
+                    else:
+                        items.append(Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, self.NEXT))
+                    items.append(Special(self.CALL_BEGIN))
+                    items.append(Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "function"))
+                    items.append(Special(self.SEP))
+                    items.append(Text(message.bucket, message.object_id, _call_text(call)))
+                    items.append(Special(self.CALL_END))
+                    if not first_call:
+                        items.extend((Special(self.CALLS_END), Special(self.EOS)))
+                    first_call = False
             else:
-                yield from self._assistant(message)
-        if in_outputs:
-            yield Special(self.OUTPUTS_END)
-        yield Special(self.ASSISTANT)
+                items.append(Special(self.OUTPUTS_END if after_outputs else self.ASSISTANT))
+                after_outputs = False
+                items.extend(self._content(message))
+                items.extend(
+                    Bound(message.bucket, message.object_id, _call_text(call)) for call in message.calls
+                )
+                items.append(Special(self.EOS))
+        items.append(Special(self.OUTPUTS_END if after_outputs else self.ASSISTANT))
+        return _with_seams(items)
 
     @staticmethod
-    def _wrapped(
-        message: Message, segments: tuple[Segment, ...], opening: str, closing: str | None
-    ) -> Iterator[Piece]:
-        """Wrap each segment in its own ``opening … closing`` block; an empty message still gets one block."""
-        for segment in segments or (None,):
-            yield Special(opening)
-            piece = None if segment is None else _piece(message, segment)
-            if piece is not None:
-                yield piece
-            if closing is not None:
-                yield Special(closing)
+    def _content(message: Message) -> list[Piece]:
+        """The message's content: its text as one piece, or (holding an image) each part."""
+        text = _content_text(message)
+        if text is not None:
+            return [Text(message.bucket, message.object_id, text)] if text else []
+        return [piece for segment in message.segments if (piece := _piece(message, segment)) is not None]
 
-    def _assistant(self, message: Message) -> Iterator[Piece]:
-        if not message.calls:
-            yield from self._wrapped(message, message.segments, self.ASSISTANT, self.EOS)
-            return
-        if len(message.segments) > 1:
-            yield from self._wrapped(message, message.segments[:-1], self.ASSISTANT, self.EOS)
-        yield Special(self.ASSISTANT)
-        if message.segments:
-            piece = _piece(message, message.segments[-1])
-            if piece is not None:
-                yield piece
-        yield Special(self.CALLS_BEGIN)
-        for call in message.calls:
-            yield Special(self.CALL_BEGIN)
-            yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "function")
-            yield Special(self.SEP)
-            yield Text(message.bucket, message.object_id, _call_text(call))
-            yield Special(self.CALL_END)
-        yield Special(self.CALLS_END)
-        yield Special(self.EOS)
+
+def _with_seams(items: Sequence[Piece]) -> Iterator[Piece]:
+    """The stream of ``items``, in which texts may touch: each run of touching texts cut where DeepSeek-V3's
+    pre-tokenizer must split it, and a cut on each side of a bound or an image."""
+    run: list[Text] = []
+    last: Piece | None = None
+    for item in items:
+        if isinstance(item, Text):
+            run.append(item)
+            continue
+        for piece in _split_run(run):
+            last = piece
+            yield piece
+        run.clear()
+        if isinstance(item, Special):
+            last = item
+            yield item
+            continue
+        if last is not None and not isinstance(last, Special | Cut):
+            yield Cut()
+        yield item
+        last = Cut()
+        yield last
+    for piece in _split_run(run):
+        yield piece
+
+
+def _split_run(run: Sequence[Text]) -> Iterator[Piece]:
+    """Texts that touch, as pieces cut at seams DeepSeek-V3's pre-tokenizer must split (``ladder.seams``).
+
+    A seam it must split is a cut. Around one where it may merge, the cuts are the last split inside the text
+    before it and the first inside the text after it (none if there is none), and what lies between is one
+    piece, attributed to the object (not the template) with most characters in it.
+    """
+    texts = [text for text in run if text.text]
+    if len(texts) <= 1:
+        yield from texts
+        return
+    joined = "".join(text.text for text in texts)
+    starts = [0]
+    for text in texts:
+        starts.append(starts[-1] + len(text.text))
+    cuts: list[int] = []
+    for index in range(1, len(texts)):
+        seam = starts[index]
+        if splits_between(joined[seam - 1], joined[seam]):
+            cuts.append(seam)
+            continue
+        left = next(
+            (p for p in range(seam - 1, starts[index - 1], -1) if splits_between(joined[p - 1], joined[p])),
+            None,
+        )
+        right = next(
+            (q for q in range(seam + 1, starts[index + 1]) if splits_between(joined[q - 1], joined[q])),
+            None,
+        )
+        cuts.extend(position for position in (left, right) if position is not None)
+    bounds = [0, *sorted(set(cuts)), len(joined)]
+    owner = 0
+    for number, (begin, end) in enumerate(itertools.pairwise(bounds)):
+        while starts[owner + 1] <= begin:
+            owner += 1
+        best, most = owner, -1
+        candidate = owner
+        while candidate < len(texts) and starts[candidate] < end:
+            share = min(end, starts[candidate + 1]) - max(begin, starts[candidate])
+            weight = share if texts[candidate].bucket != TEMPLATE_BUCKET else 0
+            if weight > most:
+                best, most = candidate, weight
+            candidate += 1
+        if number:
+            yield Cut()
+        if begin == starts[best] and end == starts[best + 1]:
+            yield texts[best]
+        else:
+            yield Text(texts[best].bucket, texts[best].object_id, joined[begin:end])
 
 
 class MetaTemplate(ChatTemplate):

@@ -203,9 +203,27 @@ class ClientEstimateOut(serializers.Serializer):
     deviation = serializers.IntegerField(allow_null=True, help_text="client estimate minus our count")
 
 
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "object", "additionalProperties": {}}},
+        ],
+        "nullable": True,
+        "description": "one string (a text-only message, for the template families that send it so), the "
+        "content parts (text, image placeholders), or null (an assistant turn that only calls tools)",
+    }
+)
+class MessageContentField(serializers.Field):
+    """A payload message's ``content``, as the model revision's template family sends it."""
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
 class MessageOut(serializers.Serializer):
     role = serializers.CharField()
-    content = serializers.ListField(child=serializers.DictField(), help_text="content parts, e.g. text")
+    content = MessageContentField()
 
 
 class PayloadOut(serializers.Serializer):

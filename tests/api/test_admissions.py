@@ -18,6 +18,7 @@ from budgeting.provisioning.apply import apply_config
 from budgeting.provisioning.source import load_file
 from ladder.templates import Special, Text
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope, State
+from tests.ladder.test_deepseek_golden import reference_ids
 
 pytestmark = pytest.mark.django_db
 
@@ -117,8 +118,8 @@ def test_count_is_exact_for_both_real_tokenizers(api, pool, model, tenant):
     from ladder.templates import get_template
 
     body = request_body(modelPool=pool, modelRevision=model, tenantId=tenant)
-    if model.startswith("claude"):
-        body["components"].pop("tools")
+    # Neither the legacy tokenizer's template nor DeepSeek's published one shows tool definitions.
+    body["components"].pop("tools")
     res = post(api, "/api/v1/admissions:count", body)
     assert res.status_code == 200, res.json()
     data = res.json()
@@ -131,8 +132,11 @@ def test_count_is_exact_for_both_real_tokenizers(api, pool, model, tenant):
     from dataclasses import replace
 
     permitted = replace(components, evidence=tuple(e for e in components.evidence if e.id != "e3"))
-    pieces = get_template(model_spec(revision).template_family).render(permitted)
+    template = get_template(model_spec(revision).template_family)
+    pieces = template.render(permitted)
     assert whole_stream_count(revision.tokenizer.file_name, pieces) == data["tokens"]["input"]
+    if template.family == "deepseek":
+        assert len(reference_ids(template.payload(permitted))) == data["tokens"]["input"]
     assert [e["id"] for e in data["excluded"]] == ["e3"]
     assert Reservation.objects.count() == 0, "a dry run reserves nothing"
 

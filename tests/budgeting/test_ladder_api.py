@@ -298,7 +298,9 @@ def test_hard_bucket_digests_are_identical_on_every_admitted_fixture(api: APICli
         activate_policy(900)
         full = admit(api, envelope(fixture_components(name, full_id), request_id=full_id))
         assert full.status_code == 201, (name, full.json())
-        assert full.json()["rung"] == "FULL"
+        # A fixture with large tool schemas, which DeepSeek's template does not show, is counted by their
+        # bytes (an upper bound) and may not fit whole even under this policy.
+        assert full.json()["rung"] == "FULL" or full.json()["countMethod"] == "UPPER_BOUND", name
         tokens = full.json()["tokens"]["input"]
         # A policy revision whose input cap leaves 70 % of the fixture's FULL count: the ladder must work.
         publish_policy(1000 + index, inputCap=tokens * 7 // 10, **FIXTURE_POLICY)
@@ -319,7 +321,9 @@ def test_hard_bucket_digests_are_identical_on_every_admitted_fixture(api: APICli
 def test_a_missing_tokenizer_file_rejects_or_bounds_as_the_policy_says(
     api: APIClient, settings: Any, tmp_path: Path
 ) -> None:
-    body = envelope(base_components(), request_id="req-exact", task_class="support-chat", max_output=800)
+    components = base_components()
+    components.pop("tools")  # DeepSeek's template does not show tools: they would be counted by a bound
+    body = envelope(components, request_id="req-exact", task_class="support-chat", max_output=800)
     exact = post(api, "/api/v1/admissions:count", body)
     assert exact.status_code == 200, exact.json()
     assert exact.json()["countMethod"] == "EXACT"

@@ -49,13 +49,13 @@ def test_activate_then_rollback_keeps_the_lower_cap_and_clears_length_caches(ver
     assert "r18 -> r19" in out
     alias = PolicyAlias.objects.get(name="production")
     assert alias.version.revision == 19
-    versions.set("tc:sha256:dead:deepseek/1:abc", 7)
+    versions.set("tc:sha256:dead:deepseek/2:abc", 7)
     out = run("rollback", "--expected", "19", "--reason", "incident 42")
     alias.refresh_from_db()
     assert alias.version.revision == 18
     assert alias.global_cap_floor == 60000, "the lower of the two caps is kept"
     assert "length caches cleared" in out
-    assert versions.get("tc:sha256:dead:deepseek/1:abc") is None
+    assert versions.get("tc:sha256:dead:deepseek/2:abc") is None
     listing = run("list")
     assert "r18" in listing and "<- production" in listing
 

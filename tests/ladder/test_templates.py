@@ -16,6 +16,7 @@ from ladder.messages import TemplateError
 from ladder.parser import parse_components
 from ladder.templates import (
     TEMPLATE_FAMILIES,
+    Bound,
     Image,
     Piece,
     Special,
@@ -44,10 +45,21 @@ def counter(family: str) -> TokenizerCounter:
 
 
 def whole_stream_count(family: str, pieces: Sequence[Piece], formula: ImageFormula) -> int:
-    """Encode the whole stream at once, special tokens recognised, plus the image formula: the oracle."""
-    text_tokens = len(oracle(family).encode(stream_text(pieces), add_special_tokens=False))
+    """The oracle: the stream encoded at once, special tokens recognised (each stretch between two images on
+    its own: an image is no text, and the texts beside it are counted apart), plus the image formula and the
+    UTF-8 bytes of each bound (a part the template does not show, never encoded with the rest)."""
+    stretches: list[list[Piece]] = [[]]
+    for piece in pieces:
+        if isinstance(piece, Image):
+            stretches.append([])
+        elif not isinstance(piece, Bound):
+            stretches[-1].append(piece)
+    text_tokens = sum(
+        len(oracle(family).encode(stream_text(stretch), add_special_tokens=False)) for stretch in stretches
+    )
     images = sum(image_tokens(p.width, p.height, formula) for p in pieces if isinstance(p, Image))
-    return text_tokens + images
+    bounds = sum(len(p.text.encode("utf-8")) for p in pieces if isinstance(p, Bound))
+    return text_tokens + images + bounds
 
 
 def test_families_are_registered() -> None:
@@ -142,9 +154,14 @@ def test_payload_matches_the_stream() -> None:
     assert messages[-1]["role"] == "user"
     tool_messages = [message for message in messages if message["role"] == "tool"]
     assert tool_messages and all(message["tool_call_id"].startswith("call-") for message in tool_messages)
-    # Every text of the payload appears verbatim in the stream.
+    # Every text of the payload appears verbatim in the stream: a text-only message's content is one string.
     for message in messages:
-        for part in message["content"] or []:
+        content = message["content"]
+        if isinstance(content, str):
+            assert content in stream
+            continue
+        assert content is None or any(part["type"] == "image" for part in content)
+        for part in content or []:
             if part["type"] == "text":
                 assert part["text"] in stream
             else:

@@ -1,0 +1,506 @@
+"""Golden token ids: DeepSeek-V3 as our template renders it against DeepSeek's published chat template.
+
+The reference renders the very payload we send with the verbatim template (``deepseek_chat_template.py``) as
+Hugging Face transformers' ``apply_chat_template`` does (an ``ImmutableSandboxedEnvironment`` with
+``trim_blocks`` and ``lstrip_blocks``, ``bos_token``, ``add_generation_prompt=True``), then encodes the text
+with the ``tokenizers`` library and the pinned ``deepseek_v3.json``, special tokens recognised, as a server
+does. Our ids are the stream's: each special's id, each text piece's encoding. What the template does not
+show (tool definitions, the output schema, the calls of a turn that also has text) is a ``Bound`` of ours and
+nothing of the reference's: such a count is ``UPPER_BOUND`` and exceeds the reference by the bound's bytes.
+
+The cuts between touching texts rest on ``ladder.seams``, checked here against the tokenizer's own
+pre-tokenizer: exhaustively on pairs of characters in context, and by a Hypothesis property.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import replace
+from functools import cache
+from typing import Any
+
+import jinja2.ext
+import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from ladder.components import Components, Limits
+from ladder.counting import MemoryCountCache, TokenizerCounter, count_stream
+from ladder.parser import parse_components
+from ladder.seams import splits_between
+from ladder.templates import (
+    Bound,
+    Cut,
+    DeepSeekTemplate,
+    Image,
+    Piece,
+    Special,
+    Text,
+    _split_run,
+    get_template,
+)
+
+from .conftest import DEEPSEEK_FILE, deepseek_counter
+from .deepseek_chat_template import CHAT_TEMPLATE, CHAT_TEMPLATE_SHA256
+from .fixtures import CJK, KANA, Gen, fixture, tool_history
+from .strategies import SAFE_CHARACTERS, components_json, texts
+
+TEMPLATE = get_template("deepseek")
+
+
+# ----------------------------------------------------------------------------------------------- reference
+
+
+@cache
+def published_template() -> jinja2.Template:
+    """The published template, compiled as transformers' ``apply_chat_template`` compiles a chat template."""
+    assert hashlib.sha256(CHAT_TEMPLATE.encode("utf-8")).hexdigest() == CHAT_TEMPLATE_SHA256
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(CHAT_TEMPLATE)
+
+
+@cache
+def server_tokenizer() -> Tokenizer:
+    """The pinned tokenizer as a server loads it: special-token spellings in the text are special tokens."""
+    return Tokenizer.from_file(str(DEEPSEEK_FILE))
+
+
+def reference_text(payload: dict[str, Any]) -> str:
+    return published_template().render(
+        messages=payload["messages"],
+        tools=payload.get("tools"),
+        add_generation_prompt=True,
+        bos_token=DeepSeekTemplate.BOS,
+        eos_token=DeepSeekTemplate.EOS,
+    )
+
+
+def reference_ids(payload: dict[str, Any]) -> list[int]:
+    return list(server_tokenizer().encode(reference_text(payload), add_special_tokens=False).ids)
+
+
+# -------------------------------------------------------------------------------------------------- ours
+
+
+def our_ids(pieces: tuple[Piece, ...], counter: TokenizerCounter) -> list[int]:
+    ids: list[int] = []
+    for piece in pieces:
+        if isinstance(piece, Special):
+            token = counter.special_id(piece.token)
+            assert token is not None, piece.token
+            ids.append(token)
+        elif isinstance(piece, Text):
+            ids.extend(counter.encode(piece.text))
+        assert not isinstance(piece, Image)
+    return ids
+
+
+def check(comps: Components) -> tuple[tuple[Piece, ...], int]:
+    """Compare our ids and count with the reference; return the stream and the bound's bytes."""
+    counter = deepseek_counter()
+    pieces = TEMPLATE.render(comps)
+    count = count_stream(
+        pieces, counter, MemoryCountCache(), template_revision=TEMPLATE.revision, image_formula="tiles512"
+    )
+    assert sum(count.per_bucket.values()) == count.total == sum(count.per_object.values())
+    payload: dict[str, Any] = TEMPLATE.payload(comps)
+    for entry in payload["messages"]:
+        assert entry["content"] is None or isinstance(entry["content"], str), entry
+    expected = reference_ids(payload)
+    assert our_ids(pieces, counter) == expected
+    bound = sum(len(piece.text.encode("utf-8")) for piece in pieces if isinstance(piece, Bound))
+    hidden = any(isinstance(piece, Bound) for piece in pieces)
+    assert count.method == ("UPPER_BOUND" if hidden else "EXACT")
+    assert count.total == len(expected) + bound
+    return pieces, bound
+
+
+def components(data: dict[str, Any]) -> Components:
+    return parse_components(data, limits=Limits())
+
+
+def textual(data: dict[str, Any]) -> dict[str, Any]:
+    """The fixture without images: DeepSeek-V3 reads text only, and its template renders no image."""
+    data = dict(data)
+    data["evidence"] = [
+        item
+        for item in data.get("evidence", [])
+        if not any(part.get("type") == "image" for part in item.get("parts", []))
+    ]
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+def plain() -> dict[str, Any]:
+    return {
+        "immutableRules": ["You are a careful assistant."],
+        "authorizationScope": {"permissions": ["legal"]},
+        "outputSafety": [],
+        "question": {"text": "Summarise the clause in one sentence."},
+        "evidence": [
+            {
+                "id": "ev-1",
+                "sourceId": "doc",
+                "text": "The supplier's liability is capped at 1,000 EUR.",
+                "score": 0.9,
+                "permissions": ["legal"],
+            }
+        ],
+    }
+
+
+def many_turns() -> dict[str, Any]:
+    data = plain()
+    data["recentTurns"] = [
+        {
+            "turn": index,
+            "role": "user" if index % 2 else "assistant",
+            "text": f"Turn {index}: 第{index}条 ok?",
+        }
+        for index in range(1, 81)
+    ]
+    return data
+
+
+def system_messages() -> dict[str, Any]:
+    """Many system messages whose seams stress the pre-tokenizer: each ends and starts differently."""
+    data = plain()
+    data["immutableRules"] = [
+        "Rule one ends with a word",
+        "Rule two ends with a dot.",
+        "",
+        "  starts with spaces and ends with spaces  ",
+        "\nstarts with a line break and ends with one\n",
+        "ends with digits 2024",
+        [{"type": "text", "text": "two parts: "}, {"type": "text", "text": "joined as one."}],
+        "漢字で終わる規則" + CJK[:5],
+        "ends with a tab\t",
+        "」ends with a closing bracket」",
+        "ends with a mark e\u0301",
+    ]
+    data["outputSafety"] = ["- a bullet", "…and an ellipsis…"]
+    data["trustedState"] = [{"id": "s1", "text": KANA[:20], "provenance": "db"}]
+    return data
+
+
+def compacted() -> dict[str, Any]:
+    """A compaction on offer for turns 11-20 of the many turns (``test_an_applied_compaction_is_hoisted``)."""
+    data = many_turns()
+    data["compactions"] = [
+        {
+            "id": "cmp-1",
+            "replacesTurns": list(range(11, 21)),
+            "text": "Earlier: the user asked about clauses 1-4.",
+            "gateId": "gate-a",
+            "fidelityScore": 0.95,
+            "requestId": "req-1",
+        }
+    ]
+    return data
+
+
+def calls(count: int, *, text: str = "") -> dict[str, Any]:
+    """A user asks, an assistant calls ``count`` tools (no text), each result comes back, it answers."""
+    data = plain()
+    ids = [f"call-{index}" for index in range(count)]
+    data["recentTurns"] = [
+        {"turn": 1, "role": "user", "text": "Look these up."},
+        {
+            "turn": 2,
+            "role": "assistant",
+            "text": text,
+            "toolCalls": [
+                {"id": call, "name": f"lookup_{call[-1]}", "arguments": json.dumps({"q": call})}
+                for call in ids
+            ],
+        },
+        {
+            "turn": 3,
+            "role": "tool",
+            "toolResults": [{"callId": call, "text": f"result of {call}"} for call in ids],
+        },
+        {"turn": 4, "role": "assistant", "text": "Here is what I found."},
+    ]
+    return data
+
+
+def results_in_two_groups() -> dict[str, Any]:
+    """Two exchanges: the second group of results opens with a line break, after a user's text and later
+    calls that open with one."""
+    data = calls(2)
+    data["recentTurns"] += [
+        {"turn": 5, "role": "user", "text": "And the next two?"},
+        {
+            "turn": 6,
+            "role": "assistant",
+            "toolCalls": [
+                {"id": "call-a", "name": "lookup", "arguments": "{}"},
+                {"id": "call-b", "name": "lookup", "arguments": '{"q": "b"}'},
+            ],
+        },
+        {"turn": 7, "role": "tool", "toolResults": [{"callId": "call-a", "text": "a."}]},
+        {"turn": 8, "role": "tool", "toolResults": [{"callId": "call-b", "text": "b"}]},
+        {"turn": 9, "role": "assistant", "text": "Both done."},
+    ]
+    return data
+
+
+def results_after_user() -> dict[str, Any]:
+    """A result that a user's turn carries after the user's own text, answering an earlier call: it opens
+    with a line break right after that text, and the question follows it unclosed."""
+    data = calls(2)
+    turns = data["recentTurns"]
+    turns[2]["toolResults"] = turns[2]["toolResults"][:1]
+    turns += [
+        {"turn": 5, "role": "user", "text": "Here is another result:"},
+        {"turn": 6, "role": "user", "toolResults": [{"callId": "call-1", "text": "late result"}]},
+    ]
+    return data
+
+
+def code() -> dict[str, Any]:
+    data = textual(fixture("code"))
+    data.pop("tools")
+    gen = Gen(11)
+    data["recentTurns"] = [
+        {**turn, "text": ""} if turn.get("toolCalls") else turn for turn in tool_history(gen, 3, size=20)
+    ]
+    return data
+
+
+def near_window() -> dict[str, Any]:
+    data = textual(fixture("near_window"))
+    data.pop("tools")
+    data["recentTurns"] = [
+        {**turn, "text": ""} if turn.get("toolCalls") else turn for turn in data["recentTurns"]
+    ]
+    return data
+
+
+EXACT_FIXTURES: dict[str, Any] = {
+    "plain": plain,
+    "cjk": lambda: fixture("cjk"),
+    "emoji_nfkc": lambda: fixture("emoji_nfkc"),
+    "duplicates": lambda: fixture("duplicates"),
+    "code": code,
+    "many_turns": many_turns,
+    "near_window": near_window,
+    "system_messages": system_messages,
+    "one_call": lambda: calls(1),
+    "two_calls": lambda: calls(2),
+    "three_calls": lambda: calls(3),
+    "results_in_two_groups": results_in_two_groups,
+    "results_after_user": results_after_user,
+}
+BOUND_FIXTURES: dict[str, Any] = {
+    "code_with_tools": lambda: textual(fixture("code")),
+    "huge_tools": lambda: fixture("huge_tools"),
+    "near_window_with_tools": lambda: textual(fixture("near_window")),
+    "everything": lambda: textual(fixture("everything")),
+    "calls_with_text": lambda: calls(2, text="Let me check."),
+}
+
+
+def test_the_fixture_is_the_published_template() -> None:
+    assert hashlib.sha256(CHAT_TEMPLATE.encode("utf-8")).hexdigest() == CHAT_TEMPLATE_SHA256
+    assert "is_first_sp=true" in CHAT_TEMPLATE and "'\n<｜tool▁output▁begin｜>'" in CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_FIXTURES))
+def test_ids_equal_the_published_template(name: str) -> None:
+    pieces, bound = check(components(EXACT_FIXTURES[name]()))
+    assert bound == 0
+    assert all(not isinstance(piece, Bound) for piece in pieces)
+
+
+@pytest.mark.parametrize("name", sorted(BOUND_FIXTURES))
+def test_what_the_template_does_not_show_is_an_upper_bound(name: str) -> None:
+    _, bound = check(components(BOUND_FIXTURES[name]()))
+    assert bound > 0
+
+
+def test_the_fixtures_cover_the_templates_quirks() -> None:
+    """Each quirk of the published template that the fixtures are meant to reach is in its rendering."""
+    tokens = DeepSeekTemplate
+
+    def rendered(data: dict[str, Any]) -> str:
+        return reference_text(TEMPLATE.payload(components(data)))
+
+    one, two, three = rendered(calls(1)), rendered(calls(2)), rendered(calls(3))
+    # A lone first call is never closed; each later one closes the calls and the sentence.
+    assert tokens.CALLS_END not in one
+    assert two.count(tokens.CALLS_END) == 1 and three.count(tokens.CALLS_END) == 2
+    assert three.count("\n" + tokens.CALL_BEGIN) == 2
+    # Results in a row are joined by a line break; the assistant's answer closes them without its token.
+    assert three.count(tokens.OUTPUT_END + "\n" + tokens.OUTPUT_BEGIN) == 2
+    assert tokens.OUTPUTS_END + "Here is what I found." + tokens.EOS in three
+    groups = rendered(results_in_two_groups())
+    assert groups.count(tokens.OUTPUTS_BEGIN) == 1
+    assert "And the next two?\n" + tokens.CALL_BEGIN in groups
+    late = rendered(results_after_user())
+    assert "Here is another result:\n" + tokens.OUTPUT_BEGIN in late
+    assert "late result" + tokens.OUTPUT_END + tokens.USER in late
+    # Every system message is hoisted after the beginning of sentence, joined by two line breaks.
+    system = rendered(system_messages())
+    head = system[len(tokens.BOS) : system.index(tokens.USER)]
+    assert "Rule one ends with a word\n\nRule two ends with a dot.\n\n\n\n  starts" in head
+    assert "two parts: joined as one." in head
+    # The calls of a turn that also has text are not rendered at all.
+    assert tokens.CALL_BEGIN not in rendered(calls(2, text="Let me check."))
+
+
+def test_an_applied_compaction_is_hoisted() -> None:
+    offered = components(compacted())
+    applied = replace(
+        offered, recent_turns=tuple(turn for turn in offered.recent_turns if not 11 <= turn.turn <= 20)
+    )
+    check(applied)
+    text = reference_text(TEMPLATE.payload(applied))
+    assert text.index("[summary of turns 11-20]") < text.index(DeepSeekTemplate.USER)
+
+
+def test_the_payload_sends_text_as_one_string_and_null_beside_calls_alone() -> None:
+    payload: dict[str, Any] = TEMPLATE.payload(components(calls(2)))
+    entries = payload["messages"]
+    assert [entry["role"] for entry in entries] == [
+        "system",
+        "system",
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "tool",
+        "assistant",
+        "user",
+    ]
+    assert entries[4]["content"] is None and len(entries[4]["tool_calls"]) == 2
+    assert entries[3]["content"] == "Look these up."
+    with_text: dict[str, Any] = TEMPLATE.payload(components(calls(2, text="Let me check.")))
+    assert with_text["messages"][4]["content"] == "Let me check."
+
+
+def test_touching_system_texts_keep_their_objects() -> None:
+    """Around a seam the pre-tokenizer may merge, only the few characters near it share a piece."""
+    pieces = TEMPLATE.render(components(system_messages()))
+    texts = [piece for piece in pieces if isinstance(piece, Text)]
+    assert any(piece.text == "Rule one ends with a word" for piece in texts)
+    assert any(piece.text.startswith("Rule two ends with a dot") for piece in texts)
+    # Rule 1's dot, the empty rule 2 between two separators, and rule 3's leading spaces and first word
+    # may merge: one piece, the object with most characters in it.
+    seam = next(piece for piece in texts if piece.text.startswith(".\n\n"))
+    assert (seam.text, seam.object_id) == (".\n\n\n\n  starts", "immutableRules:3")
+    counted = count_stream(
+        pieces,
+        deepseek_counter(),
+        MemoryCountCache(),
+        template_revision=TEMPLATE.revision,
+        image_formula="tiles512",
+    )
+    assert counted.per_object["immutableRules:0"] == len(
+        deepseek_counter().encode("Rule one ends with a word")
+    )
+    assert counted.per_bucket["evidence"] > 0 and counted.per_bucket["trustedState"] > 0
+
+
+def test_images_are_counted_by_the_formula_beside_their_texts() -> None:
+    pieces = TEMPLATE.render(components(fixture("images")))
+    assert sum(isinstance(piece, Image) for piece in pieces) == 3
+    for left, right in itertools.pairwise(pieces):
+        if isinstance(left, Image) or isinstance(right, Image):
+            assert isinstance(left, Special | Cut) or isinstance(right, Special | Cut)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=components_json(images=False))
+def test_generated_conversations(data: dict[str, Any]) -> None:
+    comps = components(data)
+    payload: dict[str, Any] = TEMPLATE.payload(comps)
+    if any(isinstance(message.get("content"), list) for message in payload["messages"]):
+        reject()  # a tool turn's generated parts may still hold an image, which the template cannot render
+    check(comps)
+
+
+# ------------------------------------------------------------------------------------------------- seams
+
+# Letters (Latin, accented, CJK in and out of the pre-tokenizer's ranges, kana, Hangul), marks, numbers of
+# every kind, punctuation and symbols (ASCII and not, CJK ones inside the ranges), whitespace of every kind,
+# controls and format characters, a private-use and an unassigned character.
+ALPHABET = [
+    *"aZéßΩжא漢あアー가𠀀",
+    "\u0301",
+    "\u3099",
+    *"09٣²①",
+    *".,'\"-_(}。、「」・…",
+    *"$+<=>^`|~©€😀",
+    *" \t\n\r\x0b\x0c\x85\xa0\u2028\u3000",
+    *"\x01\x1c\u200b\u200d\ue000\U000e0001\U0010fffd",
+]
+CONTEXTS = ["", "x", " ", ".", "1", "\n", "漢", "é\u0301", "  ", "-a"]
+
+
+def pre_tokens(text: str) -> list[str]:
+    pre_tokenizer = server_tokenizer().pre_tokenizer
+    assert pre_tokenizer is not None
+    return [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)]
+
+
+def splits_apart(left: str, right: str) -> bool:
+    return pre_tokens(left + right) == pre_tokens(left) + pre_tokens(right)
+
+
+def test_the_seam_rule_holds_for_every_pair_of_characters_in_context() -> None:
+    splitting = 0
+    for a, b in itertools.product(ALPHABET, repeat=2):
+        if not splits_between(a, b):
+            continue
+        splitting += 1
+        for before, after in itertools.product(CONTEXTS, repeat=2):
+            assert splits_apart(before + a, b + after), (before + a, b + after)
+    # The rule is not vacuous: it splits most seams between a letter, a number or a line break and the rest.
+    assert splitting > len(ALPHABET) ** 2 // 4
+
+
+def test_the_seams_the_rule_refuses_do_merge_somewhere() -> None:
+    """The rule is not needlessly strict where it matters: the seams it refuses for DeepSeek's separators
+    do merge."""
+    assert not splits_apart("a dot.", "\n\n")
+    assert not splits_apart("spaces  ", "\n\n")
+    assert not splits_apart("\n\n", " \nx")
+    assert not splits_apart("\n\n", "\nx")
+    assert not splits_between(".", "\n") and not splits_between("\n", "\n") and not splits_between("\n", " ")
+
+
+@settings(max_examples=300, deadline=None)
+@given(left=texts, right=texts, extra=st.text(SAFE_CHARACTERS, max_size=3))
+def test_the_seam_rule_holds_on_generated_texts(left: str, right: str, extra: str) -> None:
+    left += extra
+    if left and right and splits_between(left[-1], right[0]):
+        assert splits_apart(left, right)
+        counter = deepseek_counter()
+        assert counter.count_many([left + right]) == [sum(counter.count_many([left, right]))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.one_of(texts, st.sampled_from(["\n\n", "\n", ".", " ", "1", "a"])), max_size=8))
+def test_a_run_of_touching_texts_counts_as_the_whole(parts: list[str]) -> None:
+    """Our cuts of any run of touching texts add up to the tokenizer's count of the run as one text."""
+    counter = deepseek_counter()
+    run = [Text("evidence", f"evidence:{index}", text) for index, text in enumerate(parts)]
+    pieces = list(_split_run(run))
+    joined = "".join(parts)
+    assert "".join(piece.text for piece in pieces if isinstance(piece, Text)) == joined
+    counts = counter.count_many([piece.text for piece in pieces if isinstance(piece, Text)])
+    assert sum(counts) == (counter.count_many([joined])[0] if joined else 0)
