@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from ledger import locks
-from ledger.errors import StaleFence
-from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
+from ledger.errors import QuotaExceeded, StaleFence
+from ledger.models import CapacityAccount, LedgerEntry, Reservation, State, TopUp
 from ledger.selectors import audit
 from ledger.services import lifecycle, postings
 from tests.dbwork import second_connection
-from tests.ledger.helpers import admit, catalog, now, run_concurrently, spec, tenant_account
+from tests.ledger.helpers import admit, catalog, now, pool_account, run_concurrently, spec, tenant_account
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -191,4 +191,33 @@ def test_two_usage_events_that_read_the_same_remaining_capture_it_once(monkeypat
     assert (row.captured, row.overrun, row.remaining) == (50, 50, 0)
     tenant = CapacityAccount.objects.get(tenant=cat.tenant)
     assert (tenant.output_reserved, tenant.output_consumed) == (0, 100)
+    assert audit().ok
+
+
+def test_a_top_up_one_account_refuses_writes_nothing_on_any_account(cat):
+    """The unlocked top-up is one statement: when the pool account refuses, the tenant account (which had
+    room) keeps its balances too, and no top-up row or entry is left."""
+    tenant = CapacityAccount.objects.get(tenant=cat.tenant)
+    pool = pool_account(cat, output_limit=60)
+    r = dispatch(admit(spec(cat, output_tokens=50)).reservation, cat)()
+    ids = [tenant.pk, pool.pk]
+    before = {a.pk: (a.output_reserved, a.spend_reserved) for a in CapacityAccount.objects.filter(pk__in=ids)}
+    assert before[tenant.pk][0] == before[pool.pk][0] == 50
+    with pytest.raises(QuotaExceeded) as refused:
+        lifecycle.top_up(
+            reservation_id=r.pk,
+            tenant_ids=[cat.tenant.pk],
+            fence=1,
+            top_up_id="t1",
+            output_tokens=20,
+            now=now(),
+        )
+    assert refused.value.extra["dimension"] == "output"
+    after = {
+        a.pk: (a.output_reserved, a.spend_reserved) for a in CapacityAccount.objects.filter(pk__in=before)
+    }
+    assert after == before
+    assert not TopUp.objects.filter(reservation=r).exists()
+    assert not LedgerEntry.objects.filter(reservation=r, kind="TOP_UP").exists()
+    assert Reservation.objects.get(pk=r.pk).top_ups == 0
     assert audit().ok
