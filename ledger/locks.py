@@ -2,9 +2,9 @@
 
 Order: a reservation row first (at most one per transaction), then capacity accounts by ascending primary key.
 The two statements that move balances (``ledger/statements.py``: a hold, a use case's moves) lock their
-accounts inside themselves in the same ascending order, after the reservation's row (a new one's INSERT, or
-the row this module locked), so two transactions never wait on each other in opposite directions and cannot
-deadlock.
+accounts inside themselves in the same ascending order, after the reservation's row (a new one's INSERT, the
+row this module locked, or a lifecycle write's UPDATE of the row version it read), so two transactions never
+wait on each other in opposite directions and cannot deadlock.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ def lock_reservation(
 ) -> Reservation | None:
     """Lock and return a fresh copy of one reservation, or None if it does not exist for these tenants.
 
-    FOR UPDATE because every lifecycle write reads state, fence and amounts and then writes them: without the
-    lock two usage events could both read ``remaining`` and capture it twice. The stored documents (the first
+    FOR UPDATE because a write that reads state, fence and amounts and then writes them must not act on a
+    copy another transaction changes meanwhile: two usage events could both read ``remaining`` and capture it
+    twice. (A lifecycle call's one write may instead read without the lock, ``read_reservation``, and write
+    only to the row version it read: ``lifecycle._written``.) The stored documents (the first
     answer, a queued request) are deferred: no lifecycle write reads them, and unpacking one (and writing it
     back) was most of a lifecycle call's time for a large admission.
     """

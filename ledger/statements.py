@@ -7,7 +7,9 @@ Two statements move balances, both locking the accounts in ascending id order (t
 ``ledger/locks.py``) inside themselves:
   - ``hold``: a reservation's holds (a new one's INSERT, or a queued one's UPDATE, then the conditional update
     of every account, the holds and one HOLD entry per account): the ONE shape of a hold;
-  - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows.
+  - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows (the
+    reservation's row locked by the use case, or its UPDATE conditional on the row version the use case read,
+    run before the accounts are locked).
 
 Money (``MONEY_BALANCES``) moves only on the accounts kept in the reservation's currency: each statement
 scales a row's money by ``money``, 1 on such an account and 0 elsewhere, before it adds, checks or records
@@ -227,7 +229,8 @@ def move_balances(
     ``unchanged_since`` (the reservation row's version when it was read without a lock, ``writes[0]`` being
     its UPDATE): the UPDATE applies only to that version, it runs before the accounts are locked (the lock
     order of ``ledger/locks.py``), and when it matched nothing ``ledger_require_unchanged`` undoes the whole
-    statement: RowChanged."""
+    statement: RowChanged. With ``checked`` too (no transaction of the caller's to roll back), an account that
+    refuses undoes the whole statement (``ledger_require_holds``): HoldRefused."""
     ctes = [f"w{n} AS ({sql})" for n, (sql, _) in enumerate(writes)]
     params: list[Any] = [value for _, values in writes for value in values]
     guard = "true"
@@ -241,16 +244,23 @@ def move_balances(
         params.extend(value for row in moves for value in row)
         params.extend([currency, reservation_id])
         moved = "SELECT id FROM upd"
+    ids = "COALESCE(array_agg(id), '{}')"
+    tail: list[Any] = []
+    if unchanged_since is not None and checked and moves:
+        # CASE: the version is checked first (a changed row is RowChanged, not a refusal).
+        ids = f"CASE WHEN {guard} THEN ledger_require_holds(%s::bigint[], {ids}) END"
+        tail = [sorted({row[1] for row in moves})]
     try:
         with prepared_cursor() as cursor:
             cursor.execute(
-                f"WITH {', '.join(ctes)} SELECT {guard}, COALESCE(array_agg(id), '{{}}')"
-                f" FROM ({moved}) AS x(id)",
-                params,
+                f"WITH {', '.join(ctes)} SELECT {guard}, {ids} FROM ({moved}) AS x(id)", [*params, *tail]
             )
-            _, ids = cursor.fetchone()
+            _, moved_ids = cursor.fetchone()
     except DatabaseError as error:
         if getattr(error.__cause__, "sqlstate", None) == CHANGED_SQLSTATE:
             raise RowChanged from None
-        raise
-    return set(ids)
+        refused = _refused_accounts(error)
+        if refused is None:
+            raise
+        raise HoldRefused(refused) from None
+    return set(moved_ids)

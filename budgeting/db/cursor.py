@@ -89,13 +89,13 @@ def _kept_cursor(db: BaseDatabaseWrapper, query: str) -> _PreparingCursor:
     if kept is None or getattr(db, "_kept_cursors_of", None) is not raw:
         kept = {}
         db._kept_cursors, db._kept_cursors_of = kept, raw  # type: ignore[attr-defined]
-    cursor = kept.get(query)
+    cursor = kept.pop(query, None)
     if cursor is None or cursor.closed:
         if len(kept) >= _MAX_KEPT:
-            for old in kept.values():
-                old.close()
-            kept.clear()
-        cursor = kept[query] = _PreparingCursor(raw)
+            # The least recently used goes (the dict keeps use order: a cursor is put back last on each use).
+            kept.pop(next(iter(kept))).close()
+        cursor = _PreparingCursor(raw)
+    kept[query] = cursor
     return cursor
 
 

@@ -37,11 +37,7 @@ def update_sql(row: models.Model) -> tuple[str, list[Any]]:
     fields = [f for f in model._meta.concrete_fields if not f.primary_key and f.attname not in deferred]
     loaded: dict[str, Any] | None = getattr(row, _LOADED, None)
     if loaded is not None:
-        fields = [
-            f
-            for f in fields
-            if getattr(f, "auto_now", False) or loaded.get(f.attname, _UNREAD) != getattr(row, f.attname)
-        ]
+        fields = [f for f in fields if getattr(f, "auto_now", False) or _changed(loaded, row, f.attname)]
     values = [f.pre_save(row, False) for f in fields]
     if any(
         hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save") for value in values
@@ -62,6 +58,26 @@ def update_sql(row: models.Model) -> tuple[str, list[Any]]:
 # Where ``fetch_rows`` keeps the values a row was read with (Django's documented ``from_db`` pattern).
 _LOADED = "_loaded_values"
 _UNREAD = object()
+
+
+def written(row: models.Model) -> None:
+    """Say that ``row``'s UPDATE ran: what it holds now is what the database holds (for a row read by
+    ``fetch_rows``, the next ``update_sql`` compares with these values)."""
+    loaded: dict[str, Any] | None = getattr(row, _LOADED, None)
+    if loaded is not None:
+        for name in loaded:
+            value = getattr(row, name)
+            loaded[name] = copy.deepcopy(value) if isinstance(value, list | dict) else value
+
+
+def _changed(loaded: dict[str, Any], row: models.Model, name: str) -> bool:
+    before, now = loaded.get(name, _UNREAD), getattr(row, name)
+    # type() too: in a JSON value 1 == 1.0 == True, which are three different documents.
+    return (
+        type(before) is not type(now)
+        or before != now
+        or (isinstance(now, list | dict) and repr(before) != repr(now))
+    )
 
 
 def fetch_rows(model: type[_M], sql: str, params: Sequence[Any]) -> list[_M]:

@@ -17,6 +17,7 @@ from budgeting.catalog.errors import Conflict, NotFound
 from budgeting.db.rows import fetch_rows
 from ledger import locks
 from ledger.errors import (
+    HoldRefused,
     InvalidTransition,
     PayloadChanged,
     RowChanged,
@@ -242,25 +243,26 @@ def top_up(
 ) -> tuple[Reservation, bool]:
     """Extend the output hold; idempotent by topUpId. Raises QuotaExceeded when an account is short."""
 
-    def attempt() -> tuple[Reservation, bool]:
-        with transaction.atomic(durable=True):
-            reservation = _locked(reservation_id, tenant_ids, fence)
-            if reservation.state not in {State.RESERVED, State.DISPATCHED, State.RUNNING}:
-                raise _AlreadyDone(reservation)
-            account_ids = held_account_ids(reservation)
-            posts = Postings(reservation, account_ids)
-            posts.insert(TopUp(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens))
-            money = hold_top_up(reservation, output_tokens)
-            posts.move(EntryKind.TOP_UP, output_reserved=output_tokens, spend_reserved=money)
-            # No look-up of the top-up id first: its unique index answers a repeat (one statement fewer).
+    def use_case(reservation: Reservation, posts: Postings) -> tuple[Reservation, bool]:
+        if reservation.state not in {State.RESERVED, State.DISPATCHED, State.RUNNING}:
+            raise _AlreadyDone(reservation)
+        posts.insert(TopUp(reservation=reservation, top_up_id=top_up_id, output_tokens=output_tokens))
+        money = hold_top_up(reservation, output_tokens)
+        posts.move(EntryKind.TOP_UP, output_reserved=output_tokens, spend_reserved=money)
+        # No look-up of the top-up id first: its unique index answers a repeat (one statement fewer).
+        try:
             held = posts.flush(within_limits=True)
-            short = next((a for a in account_ids if a not in held), None)
-            if short is not None:
-                raise ShortageSignal(CapacityAccount.objects.get(pk=short))
-            return reservation, True
+        except HoldRefused as refused:
+            # The one write on the row read without a lock: refused as a whole, nothing written.
+            held = set(posts.account_ids) - refused.account_ids
+        short = next((a for a in posts.account_ids if a not in held), None)
+        if short is not None:
+            # Under the lock, the transaction rolls back what the statement moved on the other accounts.
+            raise ShortageSignal(CapacityAccount.objects.get(pk=short))
+        return reservation, True
 
     try:
-        return with_retries(attempt)
+        return _written(reservation_id, tenant_ids, fence, use_case)
     except ShortageSignal as signal:
         reservation = Reservation.objects.get(pk=reservation_id)
         raise shortage(

@@ -16,7 +16,7 @@ from django.db.models import F, Sum
 
 from budgeting.catalog.prices import cost
 from budgeting.db.cursor import this_connection
-from budgeting.db.rows import RecordInsert, insert_sql, update_sql
+from budgeting.db.rows import RecordInsert, insert_sql, update_sql, written
 from ledger import locks, statements
 from ledger.errors import RowChanged, UsageEventConflict
 from ledger.models import (
@@ -166,7 +166,7 @@ class Postings:
         self.moves, self.inserts = [], []
         if not writes and not moves:
             return set()
-        return statements.move_balances(
+        moved = statements.move_balances(
             writes,
             moves,
             self.reservation.pk,
@@ -174,6 +174,9 @@ class Postings:
             currency=self.reservation.currency,
             unchanged_since=self.unchanged_since if save else None,
         )
+        if save:
+            written(self.reservation)
+        return moved
 
 
 def held_account_ids(reservation: Reservation) -> list[int]:
@@ -417,6 +420,7 @@ def hold_queued_reservation(reservation: Reservation, account_ids: Sequence[int]
     statements.hold(
         (sql, params), reservation.pk, account_ids, hold_amounts(reservation), currency=reservation.currency
     )
+    written(reservation)
 
 
 def own_transaction() -> contextlib.AbstractContextManager[Any]:

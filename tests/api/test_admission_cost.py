@@ -1,8 +1,8 @@
 """The admission path's database cost, counted (deterministic proxies of its latency): one transaction and one
 commit per admission, at most 6 statements for a warm admission; a lifecycle call is the authentication's
 version read and at most two statements of its own, each committing itself (the unlocked read and the write
-conditional on the row version read; the lease renewal one UPDATE). A top-up and an outcome report are one
-transaction under the row's lock."""
+conditional on the row version read; the lease renewal one UPDATE). An outcome report is one transaction under
+the row's lock."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ MAX_ADMISSION_STATEMENTS = 6
 # The version read, then the read and the one write (the answer is built from the row written).
 MAX_LIFECYCLE_STATEMENTS = 3
 # The calls whose write is one statement on the row read without a lock (``lifecycle._written``).
-UNLOCKED = {"lease", "dispatch", "usage", "cancel", "fail"}
+UNLOCKED = {"lease", "dispatch", "top-up", "usage", "cancel", "fail"}
 
 
 def admit(demo_api, n: int) -> tuple[dict, DbWork]:

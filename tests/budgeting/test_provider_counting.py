@@ -368,3 +368,28 @@ def test_drift_is_measured_from_settled_calls_and_can_make_counting_unavailable(
     drift.forget()
     back = admit(api, body(CLAUDE, "req-drift-back"))
     assert (back.status_code, back.json()["countMethod"]) == (201, "PROVIDER_COUNT")
+
+
+def test_a_drifted_openai_count_makes_a_tools_request_counting_unavailable_and_leaves_plain_ones_exact(
+    api: APIClient, sim: Simulator
+) -> None:
+    # Three settled gpt-4o calls with tools: OpenAI's usage said 30 % more input than its own count.
+    for index in range(3):
+        admitted = admit(api, gpt(f"req-gpt-drift-{index}", question={"text": f"Clause {index}?"}))
+        assert admitted.json()["countMethod"] == "PROVIDER_COUNT", admitted.json()
+        tokens = admitted.json()["tokens"]["input"]
+        settle(api, admitted, tokens + tokens * 30 // 100)
+    from budgeting.admission import drift
+
+    publish_drift_bound(1960, maxP99=0.2, minCalls=3, window=50, onExceeded="COUNTING_UNAVAILABLE")
+    drift.forget()
+    [status] = [s for s in drift.statuses(None, model_revision=GPT) if s.count_method == "PROVIDER_COUNT"]
+    assert (status.calls, status.p99) == (3, pytest.approx(0.3, abs=0.01))
+    attempts = sim.count_attempts
+    rejected = admit(api, gpt("req-gpt-drift-reject"))
+    assert rejected.status_code == 503, rejected.json()
+    assert rejected.json()["code"] == "COUNTING_UNAVAILABLE"
+    assert sim.count_attempts == attempts, "the drifted counter is not asked"
+    # Without tools the local tokenizer counts (its own drift is not the provider count's): still EXACT.
+    plain = admit(api, gpt("req-gpt-drift-plain", tools=[]))
+    assert (plain.status_code, plain.json()["countMethod"]) == (201, "EXACT")

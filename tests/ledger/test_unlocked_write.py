@@ -5,18 +5,20 @@ connection at the exact moment between the two statements."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from ledger import locks
-from ledger.errors import StaleFence
-from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
+from ledger.errors import QuotaExceeded, StaleFence
+from ledger.models import CapacityAccount, LedgerEntry, Reservation, State, TopUp
 from ledger.selectors import audit
 from ledger.services import lifecycle, postings
 from tests.dbwork import second_connection
-from tests.ledger.helpers import admit, catalog, now, spec, tenant_account
+from tests.ledger.helpers import admit, catalog, now, pool_account, run_concurrently, spec, tenant_account
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -122,3 +124,100 @@ def test_an_unchanged_row_takes_the_unlocked_path_only(monkeypatch, cat):
     dispatch(r, cat)()
     assert reads == ["read"]
     assert Reservation.objects.get(pk=r.pk).state == State.DISPATCHED
+
+
+def test_a_write_waiting_on_an_uncommitted_change_rechecks_the_version_when_it_commits(monkeypatch, cat):
+    """The other transaction has changed the row but not committed when the write starts: the write waits on
+    its row lock, re-checks the version on the committed row, writes nothing, and the call runs again under
+    the lock."""
+    r = admit(spec(cat)).reservation
+    reads: list[int] = []
+    read, lock = locks.read_reservation, locks.lock_reservation
+    other = second_connection()
+
+    def read_then_hold(*args: Any) -> Reservation | None:
+        found = read(*args)
+        if not reads:
+            other.execute(
+                "UPDATE ledger_reservation SET lease_expires_at = now() + interval '1 hour' WHERE id = %s",
+                (r.pk,),
+            )
+            threading.Timer(0.5, other.commit).start()
+        reads.append(0)
+        return found
+
+    monkeypatch.setattr(locks, "read_reservation", read_then_hold)
+    monkeypatch.setattr(locks, "lock_reservation", lambda *a: reads.append(1) or lock(*a))
+    try:
+        done = dispatch(r, cat)()
+    finally:
+        other.close()
+    assert reads == [0, 1]
+    row = Reservation.objects.get(pk=r.pk)
+    assert done.state == row.state == State.DISPATCHED
+    assert row.lease_expires_at is not None and row.lease_expires_at > r.lease_expires_at
+    assert LedgerEntry.objects.filter(reservation=r, kind="POST").count() == 1
+    assert audit().ok
+
+
+def test_two_usage_events_that_read_the_same_remaining_capture_it_once(monkeypatch, cat):
+    """Both calls read the row before either writes (a barrier between the read and the write): the second
+    write finds the row changed and runs again under the lock, so the held output is captured once and the
+    rest is overrun, as two calls one after the other would do."""
+    r = admit(spec(cat, output_tokens=50)).reservation
+    r = dispatch(r, cat)()
+    barrier = threading.Barrier(2)
+    read = locks.read_reservation
+
+    def read_together(*args: Any) -> Reservation | None:
+        found = read(*args)
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait(timeout=10)
+        return found
+
+    monkeypatch.setattr(locks, "read_reservation", read_together)
+    results = run_concurrently(
+        2,
+        lambda i: lifecycle.record_usage(
+            reservation_id=r.pk,
+            tenant_ids=[cat.tenant.pk],
+            fence=1,
+            usage=lifecycle.Usage(f"e{i}", 50, None, False),
+            now=now(),
+        ),
+    )
+    assert not [x for x in results if isinstance(x, Exception)], results
+    row = Reservation.objects.get(pk=r.pk)
+    assert (row.captured, row.overrun, row.remaining) == (50, 50, 0)
+    tenant = CapacityAccount.objects.get(tenant=cat.tenant)
+    assert (tenant.output_reserved, tenant.output_consumed) == (0, 100)
+    assert audit().ok
+
+
+def test_a_top_up_one_account_refuses_writes_nothing_on_any_account(cat):
+    """The unlocked top-up is one statement: when the pool account refuses, the tenant account (which had
+    room) keeps its balances too, and no top-up row or entry is left."""
+    tenant = CapacityAccount.objects.get(tenant=cat.tenant)
+    pool = pool_account(cat, output_limit=60)
+    r = dispatch(admit(spec(cat, output_tokens=50)).reservation, cat)()
+    ids = [tenant.pk, pool.pk]
+    before = {a.pk: (a.output_reserved, a.spend_reserved) for a in CapacityAccount.objects.filter(pk__in=ids)}
+    assert before[tenant.pk][0] == before[pool.pk][0] == 50
+    with pytest.raises(QuotaExceeded) as refused:
+        lifecycle.top_up(
+            reservation_id=r.pk,
+            tenant_ids=[cat.tenant.pk],
+            fence=1,
+            top_up_id="t1",
+            output_tokens=20,
+            now=now(),
+        )
+    assert refused.value.extra["dimension"] == "output"
+    after = {
+        a.pk: (a.output_reserved, a.spend_reserved) for a in CapacityAccount.objects.filter(pk__in=before)
+    }
+    assert after == before
+    assert not TopUp.objects.filter(reservation=r).exists()
+    assert not LedgerEntry.objects.filter(reservation=r, kind="TOP_UP").exists()
+    assert Reservation.objects.get(pk=r.pk).top_ups == 0
+    assert audit().ok
