@@ -33,7 +33,7 @@ from ledger.models import (
     UsageEvent,
 )
 from ledger.services import slots
-from ledger.services.accounts import ShortageSignal, shortage
+from ledger.services.accounts import shortage
 from ledger.services.admission import PROVIDER_ID_CONSTRAINT, provider_request_id_in_use
 from ledger.services.postings import (
     Postings,
@@ -167,6 +167,14 @@ class _AlreadyDone(Exception):
         self.reservation = reservation
 
 
+class _Short(Exception):
+    """An account refused a top-up (its id): turned into QuotaExceeded once the attempt is undone."""
+
+    def __init__(self, account_id: int) -> None:
+        super().__init__(account_id)
+        self.account_id = account_id
+
+
 @dataclass(frozen=True)
 class Usage:
     usage_event_id: str
@@ -257,16 +265,17 @@ def top_up(
             held = set(posts.account_ids) - refused.account_ids
         short = next((a for a in posts.account_ids if a not in held), None)
         if short is not None:
-            # Under the lock, the transaction rolls back what the statement moved on the other accounts.
-            raise ShortageSignal(CapacityAccount.objects.get(pk=short))
+            # Under the lock, the transaction rolls back what the statement moved on the other accounts. The
+            # account is read once it has (inside a caller's transaction, the refused statement aborted it).
+            raise _Short(short)
         return reservation, True
 
     try:
         return _written(reservation_id, tenant_ids, fence, use_case)
-    except ShortageSignal as signal:
+    except _Short as short:
         reservation = Reservation.objects.get(pk=reservation_id)
         raise shortage(
-            signal.account,
+            CapacityAccount.objects.get(pk=short.account_id),
             input_tokens=0,
             output_tokens=output_tokens,
             concurrency=0,

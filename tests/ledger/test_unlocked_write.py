@@ -221,3 +221,22 @@ def test_a_top_up_one_account_refuses_writes_nothing_on_any_account(cat):
     assert not LedgerEntry.objects.filter(reservation=r, kind="TOP_UP").exists()
     assert Reservation.objects.get(pk=r.pk).top_ups == 0
     assert audit().ok
+
+
+@pytest.mark.django_db(transaction=False)
+def test_a_refused_top_up_inside_a_test_transaction_answers_quota_exceeded(cat):
+    """Inside a test's transaction (where Django lets a durable block nest) the refused statement aborts its
+    savepoint: the refusal is still QuotaExceeded, not the aborted transaction's InternalError (the 500
+    schemathesis found)."""
+    pool_account(cat, output_limit=60)
+    r = dispatch(admit(spec(cat, output_tokens=50)).reservation, cat)()
+    with pytest.raises(QuotaExceeded):
+        lifecycle.top_up(
+            reservation_id=r.pk,
+            tenant_ids=[cat.tenant.pk],
+            fence=1,
+            top_up_id="t1",
+            output_tokens=20,
+            now=now(),
+        )
+    assert Reservation.objects.get(pk=r.pk).top_ups == 0
