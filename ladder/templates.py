@@ -189,12 +189,13 @@ class DeepSeekTemplate(ChatTemplate):
     framing DeepSeek does not publish), so such a request is counted ``UPPER_BOUND``: tool definitions and
     the output schema (request fields the template never renders), and the tool calls of an assistant turn
     that also has text (the template renders only the text). A message holding an image keeps its parts as
-    a list (the template renders none): its texts are counted apart and each image by the revision's image
-    formula.
+    a list, and each image costs the revision's image formula. The template renders no image, so texts that
+    touch across one are exact only across a seam the pre-tokenizer must split (they count the same touching
+    or apart); the piece around any other is a ``Bound``, and the request ``UPPER_BOUND`` (``_split_run``).
     """
 
     family = "deepseek"
-    revision = "deepseek/2"
+    revision = "deepseek/3"
     BOS = "<｜begin▁of▁sentence｜>"
     EOS = "<｜end▁of▁sentence｜>"
     USER = "<｜User｜>"
@@ -311,12 +312,13 @@ class DeepSeekTemplate(ChatTemplate):
 
 
 def _with_seams(items: Sequence[Piece]) -> Iterator[Piece]:
-    """The stream of ``items``, in which texts may touch: each run of touching texts cut where DeepSeek-V3's
-    pre-tokenizer must split it, and a cut on each side of a bound or an image."""
-    run: list[Text] = []
+    """The stream of ``items``, in which texts may touch: each run of touching texts (and the images among
+    them, which the template does not render) cut where DeepSeek-V3's pre-tokenizer must split it, and a cut
+    on each side of a bound."""
+    run: list[Text | Image] = []
     last: Piece | None = None
     for item in items:
-        if isinstance(item, Text):
+        if isinstance(item, Text | Image):
             run.append(item)
             continue
         for piece in _split_run(run):
@@ -332,19 +334,31 @@ def _with_seams(items: Sequence[Piece]) -> Iterator[Piece]:
         yield item
         last = Cut()
         yield last
-    for piece in _split_run(run):
-        yield piece
+    yield from _split_run(run)
 
 
-def _split_run(run: Sequence[Text]) -> Iterator[Piece]:
+def _split_run(run: Sequence[Text | Image]) -> Iterator[Piece]:
     """Texts that touch, as pieces cut at seams DeepSeek-V3's pre-tokenizer must split (``ladder.seams``).
 
     A seam it must split is a cut. Around one where it may merge, the cuts are the last split inside the text
     before it and the first inside the text after it (none if there is none), and what lies between is one
     piece, attributed to the object (not the template) with most characters in it.
+
+    An image among the texts stands at a seam of its own, and comes after the piece that holds that seam.
+    The template renders no image, so whether the texts on either side of one reach the model touching (the
+    image left out) or apart (something in its place) is not published: across a seam the pre-tokenizer
+    must split, both readings count the same and the pieces stay exact; around one where it may merge, the
+    piece holding the seam is a ``Bound`` (its UTF-8 bytes cover its tokens in either reading), and the
+    stream is counted ``UPPER_BOUND``.
     """
-    texts = [text for text in run if text.text]
-    if len(texts) <= 1:
+    texts: list[Text] = []
+    images: list[tuple[int, Image]] = []  # (the number of texts before it, the image)
+    for item in run:
+        if isinstance(item, Image):
+            images.append((len(texts), item))
+        elif item.text:
+            texts.append(item)
+    if not images and len(texts) <= 1:
         yield from texts
         return
     joined = "".join(text.text for text in texts)
@@ -366,9 +380,12 @@ def _split_run(run: Sequence[Text]) -> Iterator[Piece]:
             None,
         )
         cuts.extend(position for position in (left, right) if position is not None)
-    bounds = [0, *sorted(set(cuts)), len(joined)]
+    bounds = [0, *sorted(set(cuts)), len(joined)] if joined else [0]
+    # Each image at the offset of the seam it stands in: after the piece that holds the offset, or first.
+    offsets = [(starts[count], image) for count, image in images]
+    atoms: list[Piece] = [image for offset, image in offsets if offset == 0]
     owner = 0
-    for number, (begin, end) in enumerate(itertools.pairwise(bounds)):
+    for begin, end in itertools.pairwise(bounds):
         while starts[owner + 1] <= begin:
             owner += 1
         best, most = owner, -1
@@ -379,12 +396,19 @@ def _split_run(run: Sequence[Text]) -> Iterator[Piece]:
             if weight > most:
                 best, most = candidate, weight
             candidate += 1
+        inside = [image for offset, image in offsets if begin < offset <= end]
+        text = texts[best]
+        if any(begin < offset < end for offset, _ in offsets):
+            atoms.append(Bound(text.bucket, text.object_id, joined[begin:end]))
+        elif begin == starts[best] and end == starts[best + 1]:
+            atoms.append(text)
+        else:
+            atoms.append(Text(text.bucket, text.object_id, joined[begin:end]))
+        atoms.extend(inside)
+    for number, atom in enumerate(atoms):
         if number:
             yield Cut()
-        if begin == starts[best] and end == starts[best + 1]:
-            yield texts[best]
-        else:
-            yield Text(texts[best].bucket, texts[best].object_id, joined[begin:end])
+        yield atom
 
 
 class MetaTemplate(ChatTemplate):

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -70,9 +70,11 @@ def full_tokens(data: dict[str, Any] | Components) -> int:
     return decision.count.total
 
 
-def oracle(decision: Decision, tokenizers: dict[str, Tokenizer]) -> int:
-    """Re-render the final state and encode the whole stream at once with the model's own tokenizer (each
-    stretch between two images on its own: an image is no text, and the texts beside it are counted apart)."""
+def readings(decision: Decision, tokenizers: dict[str, Tokenizer]) -> tuple[int, int]:
+    """Re-render the final state and encode it with the model's own tokenizer, in both readings of an image
+    the template does not render: the whole stream at once (the image left out, the texts beside it
+    touching), and each stretch between two images on its own (something in its place); plus the image
+    formula in both."""
     pieces = get_template(decision.model.template_family).render(decision.components)
     stretches: list[list[Piece]] = [[]]
     for piece in pieces:
@@ -81,9 +83,13 @@ def oracle(decision: Decision, tokenizers: dict[str, Tokenizer]) -> int:
         else:
             stretches[-1].append(piece)
     tokenizer = tokenizers[decision.model.tokenizer_digest]
-    text = sum(len(tokenizer.encode(stream_text(stretch), add_special_tokens=False)) for stretch in stretches)
     formula = decision.model.image_formula
-    return text + sum(image_tokens(p.width, p.height, formula) for p in pieces if isinstance(p, Image))
+    images = sum(image_tokens(p.width, p.height, formula) for p in pieces if isinstance(p, Image))
+    touching = len(tokenizer.encode(stream_text(pieces), add_special_tokens=False))
+    apart = sum(
+        len(tokenizer.encode(stream_text(stretch), add_special_tokens=False)) for stretch in stretches
+    )
+    return touching + images, apart + images
 
 
 def check_invariants(
@@ -109,10 +115,11 @@ def check_invariants(
         )
     if decision.count is not None:
         assert sum(decision.count.per_bucket.values()) == decision.count.total
+        # EXACT only where both readings agree with it; any other count covers both.
         if decision.count.method == "EXACT":
-            assert decision.count.total == oracle(decision, tokenizers)
+            assert {decision.count.total} == set(readings(decision, tokenizers))
         else:
-            assert decision.count.total >= oracle(decision, tokenizers)
+            assert decision.count.total >= max(readings(decision, tokenizers))
 
     # Permissions first: nothing not permitted, and every permitted marked item kept.
     granted = original.authorization_scope.permissions
@@ -626,6 +633,22 @@ def test_random_requests_keep_every_invariant(
 @pytest.mark.parametrize("rung", ALL_RUNGS[1:-1])
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+# CI's find: texts that touch across an image DeepSeek's template does not render, once counted EXACT as if
+# apart (272) when left out of the stream they merge ("\n\n" + "\n\n" is one token: 271).
+@example(
+    data={
+        "immutableRules": ["", [{"type": "image", "width": 1, "height": 1}]],
+        "authorizationScope": {"permissions": [], "note": ""},
+        "outputSafety": [],
+        "question": {"parts": [{"type": "text", "text": ""}]},
+        "trustedState": [],
+        "evidence": [],
+        "recentTurns": [],
+        "compactions": [],
+        "tools": [],
+    },
+    shortfall=1,
 )
 @given(data=components_json(), shortfall=st.integers(1, 400))
 def test_each_rung_alone_on_random_requests(

@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ladder.components import Components, Limits
-from ladder.counting import MemoryCountCache, TokenizerCounter, count_stream
+from ladder.counting import MemoryCountCache, TokenizerCounter, count_stream, image_tokens
 from ladder.parser import parse_components
 from ladder.seams import splits_between
 from ladder.templates import (
@@ -421,6 +421,42 @@ def test_images_are_counted_by_the_formula_beside_their_texts() -> None:
     for left, right in itertools.pairwise(pieces):
         if isinstance(left, Image) or isinstance(right, Image):
             assert isinstance(left, Special | Cut) or isinstance(right, Special | Cut)
+
+
+@pytest.mark.parametrize(("text", "method"), [("", "UPPER_BOUND"), ("x", "EXACT")])
+def test_texts_beside_an_image_are_exact_only_across_a_seam_that_must_split(text: str, method: str) -> None:
+    """The template renders no image: whether the texts on either side of one reach the model touching (it
+    left out) or apart is not published, so the count is exact only where both readings agree. Here the
+    image ends the second rule: after "\n\n" + "x" the "\n\n" that follows must split, after "\n\n"
+    alone it may merge (CI's find: 272 counted EXACT, 271 in the touching reading)."""
+    parts = [{"type": "text", "text": text}] if text else []
+    data = {
+        "immutableRules": ["", [*parts, {"type": "image", "width": 1, "height": 1}]],
+        "authorizationScope": {"permissions": [], "note": ""},
+        "question": {"parts": [{"type": "text", "text": ""}]},
+    }
+    pieces = TEMPLATE.render(components(data))
+    count = count_stream(
+        pieces,
+        deepseek_counter(),
+        MemoryCountCache(),
+        template_revision=TEMPLATE.revision,
+        image_formula="tiles512",
+    )
+
+    def tokens(stretch: str) -> int:
+        return len(server_tokenizer().encode(stretch, add_special_tokens=False))
+
+    ds = DeepSeekTemplate
+    before = ds.BOS + "\n\n" + text
+    after = '\n\nAuthorization scope: {"note":"","permissions":[]}' + ds.USER + ds.ASSISTANT
+    image = image_tokens(1, 1, "tiles512")
+    touching, apart = tokens(before + after) + image, tokens(before) + image + tokens(after)
+    assert count.method == method
+    if method == "EXACT":
+        assert count.total == touching == apart
+    else:
+        assert (touching, apart) == (271, 272) and count.total >= apart
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
