@@ -126,7 +126,7 @@ def test_a_call_through_the_proxy_is_admitted_sent_as_admitted_and_settled_at_th
     assert usage == {"prompt": billed.prompt_tokens, "completion": billed.completion_tokens}
     admitted = admitted_messages(row)
     assert counter.seen == [admitted]
-    assert any("No legal advice" in part["text"] for message in admitted for part in message["content"])
+    assert any("No legal advice" in text_of(message) for message in admitted)
     assert_clean(simulator)
     admitted_input = admitted_tokens(row)
     report = (
@@ -139,6 +139,15 @@ def test_a_call_through_the_proxy_is_admitted_sent_as_admitted_and_settled_at_th
         f"{time.monotonic() - started:.2f} s"
     )
     print(f"\n{report}")
+
+
+def text_of(message: dict[str, Any]) -> str:
+    """A payload message's text: its content is one string (a text-only message of the OpenAI and DeepSeek
+    templates), its parts, or null."""
+    content = message["content"]
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content)
 
 
 def test_a_degraded_request_reaches_the_provider_as_the_admitted_payload(
@@ -160,7 +169,7 @@ def test_a_degraded_request_reaches_the_provider_as_the_admitted_payload(
     assert row.rung == "DEDUP_EVIDENCE"
     admitted = admitted_messages(row)
     assert counter.seen == [admitted]
-    texts = " ".join(part["text"] for message in admitted for part in message["content"])
+    texts = " ".join(text_of(message) for message in admitted)
     assert "[evidence id=big-a" in texts and "[evidence id=big-b" not in texts
     assert_clean(simulator)
 
