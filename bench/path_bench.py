@@ -189,6 +189,8 @@ def behind_front(base: str, stack: contextlib.ExitStack) -> str:
         raise SystemExit("--front needs nginx (apt-get install nginx)")
     port = free_port()
     prefix = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-nginx-")))
+    # nginx's workers write request bodies under it as their own user: a temporary directory is 0700.
+    prefix.chmod(0o755)
     conf = front.prepare(prefix, port, int(urlparse(base).port or 80))
     process = subprocess.Popen(front.argv(binary, conf), cwd=ROOT)
     stack.callback(process.wait, timeout=30)

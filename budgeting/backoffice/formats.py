@@ -16,6 +16,8 @@ from typing import Any
 
 from django import forms
 from django.core.exceptions import ValidationError
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
 
 UNLIMITED = "∞"
 # Costs are computed and kept to the micro-unit (reports.pricing.COST_QUANTUM): never show more decimals.
@@ -262,3 +264,14 @@ class MoneyField(forms.Field):
         if isinstance(value, Decimal):
             return amount_digits(value, self.currency)
         return value
+
+
+def revision_name(name: str) -> SafeString:
+    """A model revision's name (``model@date``) that a narrow column breaks only after its ``@``: the model
+    and the date each stay on one line."""
+    model, at, date = name.rpartition("@")
+    if not at:
+        return format_html('<span class="tb-nobreak">{}</span>', name)
+    return format_html(
+        '<span class="tb-nobreak">{}@</span><wbr><span class="tb-nobreak">{}</span>', model, date
+    )

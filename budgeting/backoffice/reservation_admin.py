@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
-from budgeting.backoffice.formats import CountField, count, signed
+from budgeting.backoffice.formats import CountField, count, revision_name, signed
 from budgeting.backoffice.kit import (
     ReadOnlyAdmin,
     Row,
@@ -251,7 +251,7 @@ class ReservationAdmin(ReadOnlyAdmin[Reservation]):
             obj.tenant,
             obj.task_class,
             obj.model_pool,
-            obj.model_revision,
+            revision_name(str(obj.model_revision)),
         )
 
     @admin.display(description="state", ordering="state")

@@ -31,7 +31,11 @@ browser = test_browser.browser
 world = test_browser.world
 
 # Text that is a date, a time or an id: it must sit on one line.
-ONE_WORD = re.compile(r"^(\d{4}-\d{2}-\d{2}( \d{2}:\d{2}(:\d{2})?)?( UTC)?|req-[a-z0-9-]+|prov-[a-z0-9-]+)$")
+# A date, an id, a model revision (``model@date``) or its model part: none of them broken over lines.
+ONE_WORD = re.compile(
+    r"^(\d{4}-\d{2}-\d{2}( \d{2}:\d{2}(:\d{2})?)?( UTC)?|req-[a-z0-9-]+|prov-[a-z0-9-]+"
+    r"|[a-z0-9.-]+@(\d{4}-\d{2}-\d{2})?)$"
+)
 
 
 def in_view(screen: Screen, selector: str) -> None:
