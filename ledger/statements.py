@@ -249,6 +249,7 @@ def move_balances(
     if unchanged_since is not None and checked and moves:
         # CASE: the version is checked first (a changed row is RowChanged, not a refusal).
         ids = f"CASE WHEN {guard} THEN ledger_require_holds(%s::bigint[], {ids}) END"
+        guard = "true"
         tail = [sorted({row[1] for row in moves})]
     try:
         with prepared_cursor() as cursor:

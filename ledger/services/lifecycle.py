@@ -167,14 +167,6 @@ class _AlreadyDone(Exception):
         self.reservation = reservation
 
 
-class _Short(Exception):
-    """An account refused a top-up (its id): turned into QuotaExceeded once the attempt is undone."""
-
-    def __init__(self, account_id: int) -> None:
-        super().__init__(account_id)
-        self.account_id = account_id
-
-
 @dataclass(frozen=True)
 class Usage:
     usage_event_id: str
@@ -258,24 +250,21 @@ def top_up(
         money = hold_top_up(reservation, output_tokens)
         posts.move(EntryKind.TOP_UP, output_reserved=output_tokens, spend_reserved=money)
         # No look-up of the top-up id first: its unique index answers a repeat (one statement fewer).
-        try:
-            held = posts.flush(within_limits=True)
-        except HoldRefused as refused:
-            # The one write on the row read without a lock: refused as a whole, nothing written.
-            held = set(posts.account_ids) - refused.account_ids
-        short = next((a for a in posts.account_ids if a not in held), None)
-        if short is not None:
-            # Under the lock, the transaction rolls back what the statement moved on the other accounts. The
-            # account is read once it has (inside a caller's transaction, the refused statement aborted it).
-            raise _Short(short)
+        # On the row read without a lock, a refusal undoes the one statement (HoldRefused); under the lock,
+        # raising it rolls back what the statement moved on the other accounts.
+        held = posts.flush(within_limits=True)
+        short = {a for a in posts.account_ids if a not in held}
+        if short:
+            raise HoldRefused(short)
         return reservation, True
 
     try:
         return _written(reservation_id, tenant_ids, fence, use_case)
-    except _Short as short:
+    except HoldRefused as refused:
+        # Read once the attempt is undone: inside a caller's transaction the refused statement aborted it.
         reservation = Reservation.objects.get(pk=reservation_id)
         raise shortage(
-            CapacityAccount.objects.get(pk=short.account_id),
+            CapacityAccount.objects.get(pk=min(refused.account_ids)),
             input_tokens=0,
             output_tokens=output_tokens,
             concurrency=0,

@@ -359,6 +359,50 @@ FIXTURES: dict[str, Callable[[], dict[str, Any]]] = {
 }
 
 
+def plain() -> dict[str, Any]:
+    """A short request: one rule, one evidence item, a question (the golden tests' first fixture)."""
+    return {
+        "immutableRules": ["You are a careful assistant."],
+        "authorizationScope": {"permissions": ["legal"]},
+        "outputSafety": [],
+        "question": {"text": "Summarise the clause in one sentence."},
+        "evidence": [
+            {
+                "id": "ev-1",
+                "sourceId": "doc",
+                "text": "The supplier's liability is capped at 1,000 EUR.",
+                "score": 0.9,
+                "permissions": ["legal"],
+            }
+        ],
+    }
+
+
+def many_turns() -> dict[str, Any]:
+    """``plain`` with 80 turns of mixed English and CJK."""
+    data = plain()
+    data["recentTurns"] = [
+        {
+            "turn": index,
+            "role": "user" if index % 2 else "assistant",
+            "text": f"Turn {index}: 第{index}条 ok?",
+        }
+        for index in range(1, 81)
+    ]
+    return data
+
+
+def without_images(data: dict[str, Any]) -> dict[str, Any]:
+    """The fixture without its evidence items that hold an image."""
+    data = dict(data)
+    data["evidence"] = [
+        item
+        for item in data.get("evidence", [])
+        if not any(part.get("type") == "image" for part in item.get("parts", []))
+    ]
+    return data
+
+
 def fixture(name: str) -> dict[str, Any]:
     """A fresh copy of a named fixture's components JSON."""
     return copy.deepcopy(FIXTURES[name]())

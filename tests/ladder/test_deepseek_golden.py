@@ -46,7 +46,7 @@ from ladder.templates import (
 
 from .conftest import DEEPSEEK_FILE, deepseek_counter
 from .deepseek_chat_template import CHAT_TEMPLATE, CHAT_TEMPLATE_SHA256
-from .fixtures import CJK, KANA, Gen, fixture, tool_history
+from .fixtures import CJK, KANA, Gen, fixture, many_turns, plain, tool_history, without_images
 from .strategies import SAFE_CHARACTERS, components_json, texts
 
 TEMPLATE = get_template("deepseek")
@@ -130,49 +130,7 @@ def components(data: dict[str, Any]) -> Components:
     return parse_components(data, limits=Limits())
 
 
-def textual(data: dict[str, Any]) -> dict[str, Any]:
-    """The fixture without images: DeepSeek-V3 reads text only, and its template renders no image."""
-    data = dict(data)
-    data["evidence"] = [
-        item
-        for item in data.get("evidence", [])
-        if not any(part.get("type") == "image" for part in item.get("parts", []))
-    ]
-    return data
-
-
 # ---------------------------------------------------------------------------------------------- fixtures
-
-
-def plain() -> dict[str, Any]:
-    return {
-        "immutableRules": ["You are a careful assistant."],
-        "authorizationScope": {"permissions": ["legal"]},
-        "outputSafety": [],
-        "question": {"text": "Summarise the clause in one sentence."},
-        "evidence": [
-            {
-                "id": "ev-1",
-                "sourceId": "doc",
-                "text": "The supplier's liability is capped at 1,000 EUR.",
-                "score": 0.9,
-                "permissions": ["legal"],
-            }
-        ],
-    }
-
-
-def many_turns() -> dict[str, Any]:
-    data = plain()
-    data["recentTurns"] = [
-        {
-            "turn": index,
-            "role": "user" if index % 2 else "assistant",
-            "text": f"Turn {index}: 第{index}条 ok?",
-        }
-        for index in range(1, 81)
-    ]
-    return data
 
 
 def system_messages() -> dict[str, Any]:
@@ -272,7 +230,7 @@ def results_after_user() -> dict[str, Any]:
 
 
 def code() -> dict[str, Any]:
-    data = textual(fixture("code"))
+    data = without_images(fixture("code"))
     data.pop("tools")
     gen = Gen(11)
     data["recentTurns"] = [
@@ -282,7 +240,7 @@ def code() -> dict[str, Any]:
 
 
 def near_window() -> dict[str, Any]:
-    data = textual(fixture("near_window"))
+    data = without_images(fixture("near_window"))
     data.pop("tools")
     data["recentTurns"] = [
         {**turn, "text": ""} if turn.get("toolCalls") else turn for turn in data["recentTurns"]
@@ -306,10 +264,10 @@ EXACT_FIXTURES: dict[str, Any] = {
     "results_after_user": results_after_user,
 }
 BOUND_FIXTURES: dict[str, Any] = {
-    "code_with_tools": lambda: textual(fixture("code")),
+    "code_with_tools": lambda: without_images(fixture("code")),
     "huge_tools": lambda: fixture("huge_tools"),
-    "near_window_with_tools": lambda: textual(fixture("near_window")),
-    "everything": lambda: textual(fixture("everything")),
+    "near_window_with_tools": lambda: without_images(fixture("near_window")),
+    "everything": lambda: without_images(fixture("everything")),
     "calls_with_text": lambda: calls(2, text="Let me check."),
 }
 

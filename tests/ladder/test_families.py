@@ -38,7 +38,7 @@ from ladder.parser import parse_components
 from ladder.templates import Bound, Image, Piece, Special, Text, get_template
 
 from .conftest import TOKENIZER_DIR
-from .fixtures import FIXTURES, fixture
+from .fixtures import FIXTURES, fixture, many_turns, plain, without_images
 from .strategies import components_json
 
 OPENAI_FILES = {"o200k_base": "o200k_base.tiktoken", "cl100k_base": "cl100k_base.tiktoken"}
@@ -82,43 +82,7 @@ def visible(data: dict[str, Any]) -> dict[str, Any]:
         turns.append(turn)
     data["recentTurns"] = turns
     # Images are counted by the revision's image formula, which OpenAI's published rule does not cover.
-    data["evidence"] = [
-        item
-        for item in data.get("evidence", [])
-        if not any(part.get("type") == "image" for part in item.get("parts", []))
-    ]
-    return data
-
-
-def plain() -> dict[str, Any]:
-    return {
-        "immutableRules": ["You are a careful assistant."],
-        "authorizationScope": {"permissions": ["legal"]},
-        "outputSafety": [],
-        "question": {"text": "Summarise the clause in one sentence."},
-        "evidence": [
-            {
-                "id": "ev-1",
-                "sourceId": "doc",
-                "text": "The supplier's liability is capped at 1,000 EUR.",
-                "score": 0.9,
-                "permissions": ["legal"],
-            }
-        ],
-    }
-
-
-def many_turns() -> dict[str, Any]:
-    data = plain()
-    data["recentTurns"] = [
-        {
-            "turn": index,
-            "role": "user" if index % 2 else "assistant",
-            "text": f"Turn {index}: 第{index}条 ok?",
-        }
-        for index in range(1, 81)
-    ]
-    return data
+    return without_images(data)
 
 
 GOLDEN: dict[str, Any] = {"plain": plain, "many_turns": many_turns} | {
