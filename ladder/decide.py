@@ -275,8 +275,8 @@ def decide(
     per rung: the FULL payload is counted by the provider first (most requests fit, and that is the one
     call); otherwise the walk counts with the model's local tokenizer scaled by the provider's answer, and
     the payload it ends on is counted by the provider; only when that count and the estimate disagree on
-    fitting is the walk repeated on the new scale (at most ``MAX_PROVIDER_COUNTS`` provider counts in all).
-    Without ``provider_count`` such a model's counting is unavailable. A model with a ``bound_counter``
+    fitting is the walk repeated on the new scale (at most ``MAX_PROVIDER_COUNTS`` provider counts in all;
+    then the last payload is admitted if the provider's count of it fits, else refused). Without ``provider_count`` such a model's counting is unavailable. A model with a ``bound_counter``
     (OpenAI's, for the tools and tool calls OpenAI's published framing leaves out) is counted locally,
     EXACT, while its rendering has no ``Bound`` piece; otherwise the walk counts with the local bound, never
     asking the provider per rung, and the payload it ends on is counted by ``provider_count`` (the one call
@@ -357,6 +357,10 @@ def _walk_ladder(request: Request, cache: CountCache) -> Decision:
             walk.count = with_total(walk.count, remote, "PROVIDER_COUNT")
             return _walked(request, walk)
     walk.count = with_total(walk.count, remote, "PROVIDER_COUNT")
+    if walk.fits:
+        # The provider's own count of the state the walk ended on fits: that state is admissible however far
+        # the scaled local estimate still was from it (a bound grows unlike the provider's count).
+        return _walked(request, walk)
     return _decision(
         request,
         walk.end(),

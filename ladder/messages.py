@@ -30,6 +30,10 @@ from ladder.components import (
     canonical_json,
 )
 
+# The output schema is a system message to the families whose templates show it; OpenAI receives it as the
+# request's response format instead (``ladder.openai_framing``).
+OUTPUT_SCHEMA_LABEL = "Output JSON schema: "
+
 
 class TemplateError(Exception):
     """An unknown template family, a stream that breaks the boundary rule, or inconsistent ladder state."""
@@ -206,7 +210,7 @@ def messages(components: Components, memo: RenderMemo | None = None) -> tuple[Me
     for index, safety in enumerate(components.output_safety):
         out.append(_message("system", "outputSafety", object_id("outputSafety", index), safety))
     if components.output_schema_json is not None:
-        schema = (TextPart("Output JSON schema: " + components.output_schema_json),)
+        schema = (TextPart(OUTPUT_SCHEMA_LABEL + components.output_schema_json),)
         out.append(_message("system", "outputSchema", "outputSchema", schema, in_payload=False))
     for tool in components.tools:
         out.extend(_each(memo, tool, _tool_messages))

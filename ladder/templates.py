@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from ladder.components import Components, ImagePart, TextPart, ToolCall
-from ladder.messages import Message, RenderMemo, Segment, TemplateError, build_payload, messages
+from ladder.messages import (
+    OUTPUT_SCHEMA_LABEL,
+    Message,
+    RenderMemo,
+    Segment,
+    TemplateError,
+    build_payload,
+    messages,
+)
+from ladder.openai_framing import TOOLS_CLOSE, TOOLS_OPEN, schema_bound_text, tool_bound_text
 from ladder.seams import splits_between
 
 TEMPLATE_BUCKET = "template"
@@ -469,16 +478,42 @@ class OpenAITemplate(ChatTemplate):
     OpenAI does not publish how it frames tool definitions, the response format, tool calls or tool results.
     Those are ``Bound`` pieces, so a request holding any of them is never counted ``EXACT``. Where its pool
     has OpenAI's counting API (``ModelSpec.bound_counter``), the payload the ladder ends on is counted by it
-    (``PROVIDER_COUNT``, OpenAI's own count of that payload). Without one it is ``UPPER_BOUND``, and that
-    bound rests on two things of unequal strength: the UTF-8 bytes of each text we send, which provably
-    exceed that text's own tokens (every o200k_base/cl100k_base token covers at least one byte); and
-    ``TOOL_ALLOWANCE`` tokens an item for the framing OpenAI adds around it, an assumption — neither published
-    nor measured here — that would not hold if OpenAI rewrote a schema into a form longer in tokens than the
-    JSON is in bytes. It is not a proven bound; the drift status compares it with what the provider reports.
+    (``PROVIDER_COUNT``, OpenAI's own count of that payload). Without one it is ``UPPER_BOUND``: each hidden
+    item is a message of its own here (3 framing specials and its role) holding its text as a ``Bound``, and
+    ``TOOL_ALLOWANCE`` specials more.
+
+    Why that never undercounts tools and the response format, as OpenAI renders them in the one framing it
+    has published (``ladder.openai_framing``: the ``namespace functions`` section and the response-format
+    section of the system or developer message):
+
+    1. Every token of o200k_base and cl100k_base is at least one byte (the tests check the whole vocabulary),
+       and tiktoken's tokens of a text concatenate to its bytes, so no text has more tokens than UTF-8 bytes.
+    2. A tool's ``Bound`` is the longer in bytes of its JSON definition and its part of the namespace section
+       (``tool_bound_text``); the request's first tool adds ``TOOLS_OPEN`` + ``TOOLS_CLOSE``, the text the
+       section opens and closes with; the output schema's is the longer of its system text and its
+       response-format section (``schema_bound_text``). The sections are the concatenation of the namespace
+       and response-format texts, none longer in bytes than its ``Bound``, so by 1 their tokens are at most
+       the sum of the ``Bound`` bytes, whatever merges inside them.
+    3. The section travels in a developer message of its own (3 framing tokens and its role: 4, below the 12
+       specials an item brings here), or after the first system message's instructions, joined by
+       ``\\n\\n``. tiktoken cuts a text into pre-tokens left to right and encodes each on its own; no pattern
+       of these vocabularies takes the ``#`` after a line break into the pre-token before it, so the
+       section's pre-tokens are the same there as alone, and only the instructions' last one may change (a
+       run of punctuation or whitespace that takes the ``\\n\\n`` in). That one step is not proven: the 12
+       specials an item brings are its margin, and the property test checks both placements.
+    4. The cookbook's ``num_tokens_for_tools`` (its constants for gpt-4o: 7 a function, 3 the properties, 3
+       a property, -3 an enum, 3 an item, 12 at the end) counts the name and description, each top-level
+       property's name, type and description, and the enum items, all texts the JSON definition holds, plus
+       constants below the JSON's own punctuation around them; it is below the bound too (tested).
+
+    The JSON definition stays in the maximum so that a tool is never bounded below the JSON we send: OpenAI's
+    serving framing is still unpublished, and the drift status compares the bound with what it reports.
+    Tool calls and tool results are bounded by their bytes and the allowance, which no published framing
+    backs; the drift status watches them.
     """
 
     family = "openai"
-    revision = "openai/1"
+    revision = "openai/2"
     START = "<|im_start|>"
     SEP = "<|im_sep|>"
     END = "<|im_end|>"
@@ -504,6 +539,7 @@ class OpenAITemplate(ChatTemplate):
             yield Special(self.ALLOWANCE)
 
     def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
+        tools_opened = False
         for message in message_list:
             yield Special(self.START)
             yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, message.role)
@@ -513,6 +549,10 @@ class OpenAITemplate(ChatTemplate):
             if hidden:
                 for segment in message.segments:
                     yield from self._bounded(message, segment)
+                if not message.in_payload and message.bucket == "tools" and not tools_opened:
+                    tools_opened = True
+                    yield Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, TOOLS_OPEN + TOOLS_CLOSE)
+                    yield Cut()
                 if message.tool_call_id is not None:
                     yield Bound(message.bucket, message.object_id, message.tool_call_id)
                     yield Cut()
@@ -543,7 +583,12 @@ class OpenAITemplate(ChatTemplate):
         if isinstance(part, ImagePart):
             yield Image(message.bucket, message.object_id, part.width, part.height)
         elif part.text:
-            yield Bound(message.bucket, message.object_id, part.text)
+            text = part.text
+            if not message.in_payload and message.bucket == "tools":
+                text = tool_bound_text(text)
+            elif not message.in_payload and message.bucket == "outputSchema":
+                text = schema_bound_text(text, text.removeprefix(OUTPUT_SCHEMA_LABEL))
+            yield Bound(message.bucket, message.object_id, text)
         yield Cut()
 
 

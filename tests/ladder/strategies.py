@@ -151,3 +151,85 @@ def components_json(draw: st.DrawFn, *, images: bool = True, request_id: str = "
     if draw(st.booleans()):
         data["outputSchema"] = {"type": "object", "description": draw(texts)}
     return data
+
+
+# ----------------------------------------------------------------------------------------- tool schemas
+
+# Texts of many short lines: the shape where a rendering that comments each line costs more than JSON.
+LINES = st.lists(
+    st.sampled_from(["1", "42", "a", " x", "é", "中", '"', "//", " ", "\n", "\n", "\n\n", "\r\n", "\r"]),
+    max_size=40,
+).map("".join)
+# And one short line many times over: long enough for the per-line cost to outgrow any fixed allowance.
+REPEATED_LINES = st.builds(
+    lambda line, times: line * times, st.sampled_from(["1\n", "\n7", "a\n", "\n"]), st.integers(0, 200)
+)
+schema_texts = st.one_of(texts, LINES, REPEATED_LINES)
+keys = st.one_of(
+    st.sampled_from(["q", "city", "unit", "n", "x_y", "long_property_name"]),
+    st.text(SAFE_CHARACTERS, max_size=6),
+)
+defaults = st.one_of(
+    schema_texts,
+    st.integers(-(2**63), 2**63),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(st.integers(0, 9), max_size=3),
+)
+
+
+def _annotated(schema: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """``schema`` with any of the annotations the TypeScript rendering writes as comments."""
+    extras = st.fixed_dictionaries(
+        {},
+        optional={
+            "description": schema_texts,
+            "title": schema_texts,
+            "examples": st.lists(schema_texts, max_size=6),
+            "default": defaults,
+            "nullable": st.booleans(),
+        },
+    )
+    return st.builds(lambda base, more: {**base, **more}, schema, extras)
+
+
+leaf_schemas = st.one_of(
+    st.just({"type": "string"}),
+    st.builds(lambda values: {"type": "string", "enum": values}, st.lists(schema_texts, max_size=8)),
+    st.sampled_from([{"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {}]),
+    st.just({"type": ["string", "integer", "null"]}),
+)
+
+
+def _object_schema(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    @st.composite
+    def build(draw: st.DrawFn) -> dict[str, Any]:
+        properties = draw(st.dictionaries(keys, children, max_size=5))
+        required = draw(st.lists(st.sampled_from(sorted(properties)), unique=True)) if properties else []
+        return {"type": "object", "properties": properties, "required": required}
+
+    return build()
+
+
+json_schemas = st.recursive(
+    _annotated(leaf_schemas),
+    lambda children: _annotated(
+        st.one_of(
+            _object_schema(children),
+            st.builds(lambda items: {"type": "array", "items": items}, children),
+            st.just({"type": "array"}),
+            st.builds(lambda variants: {"oneOf": variants}, st.lists(children, max_size=3)),
+        )
+    ),
+    max_leaves=12,
+)
+tool_definitions = st.builds(
+    lambda name, description, parameters: {
+        "name": name,
+        "description": description,
+        "parameters": parameters,
+    },
+    st.from_regex(r"[A-Za-z0-9_-]{1,20}", fullmatch=True),
+    schema_texts,
+    st.one_of(_object_schema(json_schemas), json_schemas),
+)
