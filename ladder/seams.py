@@ -58,3 +58,40 @@ def splits_between(a: str, b: str) -> bool:
     if kind_a in ("L", "M") and kind_b in ("P", "S", "Z", "C"):
         return True
     return a in "\r\n" and kind_b in ("L", "M", "N", "P", "S")
+
+
+# DeepSeek-V3's pre-tokenizer as its tokenizer file states it: the three passes above, then the byte-level
+# mapping. Provisioning frames a tokenizer with the deepseek template only if its file states exactly this
+# and normalises nothing (``is_deepseek_v3``): the seams are proven for it alone.
+DEEPSEEK_V3_PRE_TOKENIZER: dict[str, object] = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": r"\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
+        {
+            "type": "Split",
+            "pattern": {"Regex": "[一-龥\u3040-ゟ゠-ヿ]+"},
+            "behavior": "Isolated",
+            "invert": False,
+        },
+        {
+            "type": "Split",
+            "pattern": {
+                "Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+                "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
+            },
+            "behavior": "Isolated",
+            "invert": False,
+        },
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ],
+}
+_NO_NORMALIZER: tuple[object, ...] = (None, {"type": "Sequence", "normalizers": []})
+
+
+def is_deepseek_v3(tokenizer_json: object) -> bool:
+    """Whether a ``tokenizers`` JSON document pre-tokenizes as DeepSeek-V3's and normalises nothing."""
+    return (
+        isinstance(tokenizer_json, dict)
+        and tokenizer_json.get("pre_tokenizer") == DEEPSEEK_V3_PRE_TOKENIZER
+        and tokenizer_json.get("normalizer") in _NO_NORMALIZER
+    )

@@ -6,6 +6,7 @@ never gets as far as a plan.
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from pathlib import Path
@@ -40,6 +41,7 @@ from budgeting.provisioning.prices import CURRENCY, money_amount, read_prices
 from budgeting.provisioning.source import ProvisioningError, Reader, items
 from budgeting.provisioning.wanted import Wanted, known, wanted
 from ladder.families import FAMILIES, TOKENIZER_FAMILIES
+from ladder.seams import is_deepseek_v3
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
 
@@ -98,9 +100,12 @@ def read_document(doc: Any, *, now: datetime, tokenizer_dir: Path | None = None)
     """
     Reader(doc, "$", TOP_LEVEL)
     out: list[Wanted] = []
-    out += _tokenizers(doc, tokenizer_dir or Path(settings.TOKENIZER_DIR))
+    folder = tokenizer_dir or Path(settings.TOKENIZER_DIR)
+    out += _tokenizers(doc, folder)
     out += _pools(doc)
-    out += _model_revisions(doc, _tokenizer_families(out), known(ModelPool, out))
+    out += _model_revisions(
+        doc, _tokenizer_families(out), _tokenizer_files(out, folder), known(ModelPool, out)
+    )
     out += read_prices(doc, known(ModelRevision, out))
     out += _task_classes(doc)
     out += _tenants(doc)
@@ -165,6 +170,31 @@ def _tokenizer_families(named_in_file: list[Wanted]) -> dict[str, str]:
     return families
 
 
+def _tokenizer_files(named_in_file: list[Wanted], tokenizer_dir: Path) -> dict[str, Path]:
+    """The file of every tokenizer a model revision may name: the file's own, else the database's."""
+    files = {name: tokenizer_dir / file for name, file in Tokenizer.objects.values_list("name", "file_name")}
+    for w in named_in_file:
+        if w.model is Tokenizer:
+            files[w.lookup["name"]] = tokenizer_dir / next(f.value for f in w.fields if f.name == "file_name")
+    return files
+
+
+def _check_deepseek_framing(file_path: Path, path: str) -> None:
+    """Refuse the deepseek template for a tokenizer that is not DeepSeek-V3's: the template cuts texts only
+    where DeepSeek-V3's pre-tokenizer must split them (``ladder.seams``), proven for that pre-tokenizer
+    without a normaliser alone; another byte-level BPE may merge across those cuts and count more."""
+    try:
+        document = json.loads(file_path.read_bytes())
+    except (OSError, ValueError):
+        raise ProvisioningError(path, f"{file_path} cannot be read as a tokenizers JSON file") from None
+    if not is_deepseek_v3(document):
+        raise ProvisioningError(
+            path,
+            f"{file_path} does not pre-tokenize as DeepSeek-V3 (its pre_tokenizer or normalizer differs): "
+            "the deepseek template's cuts are proven for DeepSeek-V3's pre-tokenizer alone",
+        )
+
+
 def _pools(doc: dict[str, Any]) -> list[Wanted]:
     out = []
     for path, item in items(doc, "modelPools"):
@@ -222,7 +252,9 @@ def _env_name(r: Reader, key: str) -> str:
     return value
 
 
-def _model_revisions(doc: dict[str, Any], tokenizers: dict[str, str], pools: set[Any]) -> list[Wanted]:
+def _model_revisions(
+    doc: dict[str, Any], tokenizers: dict[str, str], files: dict[str, Path], pools: set[Any]
+) -> list[Wanted]:
     out = []
     for path, item in items(doc, "modelRevisions"):
         r = Reader(
@@ -265,6 +297,8 @@ def _model_revisions(doc: dict[str, Any], tokenizers: dict[str, str], pools: set
                 f"the {family.name} tokenizer {tokenizer!r} is framed by {sorted(family.templates)}, "
                 f"not {template_family!r}",
             )
+        if template_family == "deepseek":
+            _check_deepseek_framing(files[tokenizer], f"{path}.templateFamily")
         fields = [
             ("tokenizer", "tokenizer", tokenizer),
             ("pools", "pools", r.refs("pools", pools, "model pool", required=True)),

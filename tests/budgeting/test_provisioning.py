@@ -4,6 +4,7 @@ shows its plan and asks; the run command's demo file goes only into an empty dat
 from __future__ import annotations
 
 import copy
+import json
 from io import StringIO
 from pathlib import Path
 
@@ -105,6 +106,56 @@ def test_a_file_whose_digest_is_not_its_pin_is_refused_with_its_path(tmp_path, s
         read_document(doc, now=timezone.now(), tokenizer_dir=tmp_path)
     assert err.value.path == "tokenizers[1].file"
     assert "not the pinned" in str(err.value) and str(tmp_path / "claude_legacy.json") in str(err.value)
+
+
+def _with_byte_level_copy(tmp_path: Path, source: Path, pre_tokenizer: object | None) -> dict:
+    """The demo with its tokenizer files in ``tmp_path``, plus ``other_bpe.json``: DeepSeek-V3's file with
+    ``pre_tokenizer`` in place of its own (unchanged for None), the tokenizer of the first model revision."""
+    doc = copy.deepcopy(load_file(DEMO))
+    for tokenizer in doc["tokenizers"]:
+        (tmp_path / tokenizer["file"]).symlink_to(source / tokenizer["file"])
+    tokenizer_json = json.loads((source / "deepseek_v3.json").read_bytes())
+    if pre_tokenizer is not None:
+        tokenizer_json["pre_tokenizer"] = pre_tokenizer
+    (tmp_path / "other_bpe.json").write_text(json.dumps(tokenizer_json))
+    doc["tokenizers"].append({"name": "other", "family": "byte-level-bpe", "file": "other_bpe.json"})
+    doc["modelRevisions"][0]["tokenizer"] = "other"
+    return doc
+
+
+def test_the_deepseek_template_is_refused_for_another_pre_tokenizer_with_its_path(tmp_path, settings):
+    """A byte-level BPE file framed by the deepseek template must pre-tokenize as DeepSeek-V3: its cuts are
+    proven for that pre-tokenizer alone. The same file with DeepSeek-V3's pre-tokenizer is accepted."""
+    assert load_file(DEMO)["modelRevisions"][0]["templateFamily"] == "deepseek"
+    source = Path(settings.TOKENIZER_DIR)
+    plain = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    doc = _with_byte_level_copy(tmp_path, source, plain)
+    with pytest.raises(ProvisioningError) as err:
+        read_document(doc, now=timezone.now(), tokenizer_dir=tmp_path)
+    assert err.value.path == "modelRevisions[0].templateFamily"
+    assert str(tmp_path / "other_bpe.json") in str(err.value) and "DeepSeek-V3" in str(err.value)
+    # The same file framed by a template that makes no cut (meta) is accepted.
+    doc["modelRevisions"][0]["templateFamily"] = "meta"
+    read_document(doc, now=timezone.now(), tokenizer_dir=tmp_path)
+    # Negative control: the check reads the file, it does not refuse every file that is not the pinned one.
+    same = tmp_path / "same"
+    same.mkdir()
+    read_document(_with_byte_level_copy(same, source, None), now=timezone.now(), tokenizer_dir=same)
+
+
+def test_the_deepseek_template_is_refused_for_a_stored_tokenizer_of_another_pre_tokenizer(tmp_path, settings):
+    """A tokenizer already in the database is checked from its file too, and nothing is written."""
+    source = Path(settings.TOKENIZER_DIR)
+    doc = _with_byte_level_copy(tmp_path, source, {"type": "ByteLevel", "add_prefix_space": True})
+    doc["modelRevisions"][0]["templateFamily"] = "meta"
+    apply_config(doc, tokenizer_dir=tmp_path)
+    again = copy.deepcopy(doc)
+    again["tokenizers"] = again["tokenizers"][:-1]
+    again["modelRevisions"][0]["templateFamily"] = "deepseek"
+    with pytest.raises(ProvisioningError) as err:
+        apply_config(again, tokenizer_dir=tmp_path)
+    assert err.value.path == "modelRevisions[0].templateFamily"
+    assert ModelRevision.objects.get(name=doc["modelRevisions"][0]["name"]).template_family == "meta"
 
 
 def test_a_stated_digest_that_matches_is_accepted():
