@@ -327,7 +327,9 @@ def _post_spend(posts: Postings) -> None:
         back = from_captured if reservation.settled_at is None else 0
         reservation.spend_remaining += back
         reservation.spend_released += from_captured - back
-        posts.move(EntryKind.CORRECTION, spend_reserved=back, spend_consumed=delta, reason="spend corrected")
+        posts.add_spend(
+            EntryKind.CORRECTION, spend_reserved=back, spend_consumed=delta, reason="spend corrected"
+        )
 
 
 def hold_new_reservation(
