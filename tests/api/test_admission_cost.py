@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from budgeting.admission.models import Answer, Manifest
-from ledger.models import LedgerEntry, Reservation, State
+from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
 from ledger.selectors import audit
 from tests.api.test_admissions import request_body
 from tests.dbwork import DbWork, count_db_work, second_connection
@@ -287,3 +287,24 @@ def test_each_hot_statement_runs_on_one_cursor_kept_for_it_on_its_connection(dem
     admit(demo_api, 4)
     assert len(ran) == 2 and not {id(c) for c in ran.values()} & {id(version_read), id(reserving)}
     assert all(cursor.connection is connection.connection for cursor in ran.values())
+
+
+def test_an_admission_short_of_capacity_reads_the_short_account_once(demo_api):
+    """An admission short of capacity (queued here; refused where the task class does not queue) is a call
+    the gateway pays for too, and a burst at a limit is mostly those: its reason is built from one read of
+    the short account with its tenant, task class and pool, not one query each (fails on the code before)."""
+    admit(demo_api, 0)  # warms the process
+    CapacityAccount.objects.filter(scope="TENANT_TASK").update(input_limit=1)
+    body = request_body(requestId="cost-refused")
+    with count_db_work() as work:
+        res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="cost-refused")
+    assert res.status_code == 202, res.content[:300]
+    assert "input needs" in res.json()["reason"], res.json()
+    account_reads = [
+        sql for sql in work.statements if "ledger_capacityaccount" in sql and "SELECT" in sql[:10]
+    ]
+    assert len(account_reads) == 1, work.summary()
+    assert not any(
+        sql.startswith(('SELECT "budgeting_tenant"', 'SELECT "budgeting_taskclass"'))
+        for sql in work.statements
+    ), work.summary()
