@@ -322,6 +322,12 @@ def explain_here() -> None:
         )
         other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
         post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
+        # The refund's statement reads what the reservation posted into each account's period.
+        failed = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "f"}, tag + "f")
+        base = f"/api/v1/reservations/{failed['reservationId']}"
+        dispatch = {"fence": 1, "providerRequestId": f"pf-{tag}", "admittedDigest": failed["admittedDigest"]}
+        post("dispatch", f"{base}/dispatch", dispatch)
+        post("fail", f"{base}/fail", {"fence": 1, "reason": "connection refused", "requestSent": False})
     with connection.cursor() as cursor:
         for name, sql, params in seen:
             cursor.execute(f"EXPLAIN {sql}", params)
