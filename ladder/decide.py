@@ -276,7 +276,8 @@ def decide(
     call); otherwise the walk counts with the model's local tokenizer scaled by the provider's answer, and
     the payload it ends on is counted by the provider; only when that count and the estimate disagree on
     fitting is the walk repeated on the new scale (at most ``MAX_PROVIDER_COUNTS`` provider counts in all;
-    then the last payload is admitted if the provider's count of it fits, else refused). Without ``provider_count`` such a model's counting is unavailable. A model with a ``bound_counter``
+    then the last payload is admitted if the provider's count of it fits, else refused). Without
+    ``provider_count`` such a model's counting is unavailable. A model with a ``bound_counter``
     (OpenAI's, for the tools and tool calls OpenAI's published framing leaves out) is counted locally,
     EXACT, while its rendering has no ``Bound`` piece; otherwise the walk counts with the local bound, never
     asking the provider per rung, and the payload it ends on is counted by ``provider_count`` (the one call
