@@ -259,11 +259,10 @@ def http_pairs(base: str, seconds: float) -> float:
     return run_clients(seconds, call)["admissions_per_s"]
 
 
-def explain(url: str) -> list[str]:
-    """EXPLAIN every statement of an admission and of each lifecycle call, run in a child process on ``url``;
-    returns one line per statement: its first words, and its scans."""
+def child(url: str, *args: str) -> list[str]:
+    """Run this file with ``args`` in a child process on ``url`` (in-process Django); returns its lines."""
     result = subprocess.run(
-        [sys.executable, __file__, "--explain-only"],
+        [sys.executable, __file__, *args],
         env={**os.environ, "DATABASE_URL": url},
         cwd=ROOT,
         capture_output=True,
@@ -275,9 +274,23 @@ def explain(url: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-def explain_here() -> None:
-    """In this process (Django set up on DATABASE_URL): run one cycle through Django's test client, keep
-    every statement with its parameters, and print each one's plan's scans."""
+def explain(url: str) -> list[str]:
+    """EXPLAIN every statement of an admission and of each lifecycle call on ``url``; returns one line per
+    statement: its first words, and its scans."""
+    return child(url, "--explain-only")
+
+
+def blocks(url: str, cycles: int) -> dict[str, list[float]]:
+    """Per call, the mean pages touched and read outside shared buffers on ``url`` (``blocks_here``)."""
+    return dict(json.loads(child(url, "--blocks-only", str(cycles))[-1]))
+
+
+Post = Callable[..., dict[str, Any]]
+
+
+def in_process() -> tuple[Any, Post, list[str]]:
+    """Django set up on DATABASE_URL in this process: its connection, a ``post(name, path, body, key)``
+    through Django's test client, and the name of the call being made (``current[0]``)."""
     import django
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
@@ -287,13 +300,7 @@ def explain_here() -> None:
     from django.test import Client as DjangoClient
 
     client = DjangoClient(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
-    seen: list[tuple[str, str, Any]] = []
     current = ["?"]
-
-    def keep(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
-        if not many and sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "WITH", "DELETE")):
-            seen.append((current[0], sql, params))
-        return execute(sql, params, many, context)
 
     def post(name: str, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
         current[0] = name
@@ -304,24 +311,38 @@ def explain_here() -> None:
         assert res.status_code in (200, 201), res.content[:300]
         return dict(res.json())
 
+    return connection, post, current
+
+
+def in_process_cycle(post: Post, tag: str) -> None:
+    """An admission and each lifecycle call once (the failure aside), then a second admission, cancelled."""
+    admitted = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag}, tag)
+    base = f"/api/v1/reservations/{admitted['reservationId']}"
+    post("lease", f"{base}/lease", {"fence": 1})
+    post("top-up", f"{base}/top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10})
+    dispatch = {"fence": 1, "providerRequestId": f"p-{tag}", "admittedDigest": admitted["admittedDigest"]}
+    post("dispatch", f"{base}/dispatch", dispatch)
+    post("usage", f"{base}/usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False})
+    post("usage-final", f"{base}/usage", {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True})
+    other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
+    post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
+
+
+def explain_here() -> None:
+    """In this process (Django set up on DATABASE_URL): run one cycle through Django's test client, keep
+    every statement with its parameters, and print each one's plan's scans."""
+    connection, post, current = in_process()
+    seen: list[tuple[str, str, Any]] = []
+
+    def keep(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not many and sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "WITH", "DELETE")):
+            seen.append((current[0], sql, params))
+        return execute(sql, params, many, context)
+
     warm = f"explain-warm-{time.time_ns()}"
     post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": warm}, warm)
-    tag = f"explain-{time.time_ns()}"
     with connection.execute_wrapper(keep):
-        admitted = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag}, tag)
-        base = f"/api/v1/reservations/{admitted['reservationId']}"
-        post("lease", f"{base}/lease", {"fence": 1})
-        post("top-up", f"{base}/top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10})
-        dispatch = {"fence": 1, "providerRequestId": f"p-{tag}", "admittedDigest": admitted["admittedDigest"]}
-        post("dispatch", f"{base}/dispatch", dispatch)
-        post("usage", f"{base}/usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False})
-        post(
-            "usage-final",
-            f"{base}/usage",
-            {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True},
-        )
-        other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
-        post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
+        in_process_cycle(post, f"explain-{time.time_ns()}")
     with connection.cursor() as cursor:
         for name, sql, params in seen:
             cursor.execute(f"EXPLAIN {sql}", params)
@@ -332,6 +353,50 @@ def explain_here() -> None:
             seq = [s for s in scans if s.startswith("Seq Scan") and any(f" {t} " in f"{s} " for t in GROWING)]
             words = " ".join(sql.split()[:3])[:40]
             print(f"{name:12} {words:40} {'SEQ SCAN OF A GROWING TABLE ' if seq else ''}{'; '.join(scans)}")
+
+
+# The pages of this database's tables and indexes a call found in shared buffers (hit) and had to read
+# (read: from the OS, evicting another page, written out first when dirty), as PostgreSQL counts them.
+BLOCKS = """
+SELECT sum(heap_blks_hit + idx_blks_hit + coalesce(toast_blks_hit, 0) + coalesce(tidx_blks_hit, 0)),
+       sum(heap_blks_read + idx_blks_read + coalesce(toast_blks_read, 0) + coalesce(tidx_blks_read, 0))
+  FROM pg_statio_user_tables
+"""
+
+
+def blocks_here(cycles: int) -> None:
+    """In this process: ``cycles`` in-process cycles after five to warm up; prints, as one JSON object, the
+    mean pages each call touched and read outside shared buffers (its backend's statistics flushed after
+    each call)."""
+    connection, post, _ = in_process()
+
+    def counted() -> tuple[int, int]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_force_next_flush()")  # flushed once this statement's xact ends
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(BLOCKS)
+            hit, read = cursor.fetchone()
+        return int(hit), int(read)
+
+    touched: dict[str, list[int]] = {}
+    read: dict[str, list[int]] = {}
+
+    def measured(name: str, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        before = counted()
+        answer = post(name, path, body, key)
+        after = counted()
+        touched.setdefault(name, []).append(after[0] + after[1] - before[0] - before[1])
+        read.setdefault(name, []).append(after[1] - before[1])
+        return answer
+
+    run = time.time_ns()
+    for n in range(5):
+        in_process_cycle(post, f"blocks-warm-{run}-{n}")
+    for n in range(cycles):
+        in_process_cycle(measured, f"blocks-{run}-{n}")
+    mean = statistics.mean
+    print(json.dumps({name: [mean(touched[name]), mean(read[name])] for name in touched}))
 
 
 # As ``admission_bench.hot_shape`` lifts them on the small database: a failed call keeps its slot held.
@@ -351,10 +416,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--reuse-large", action="store_true")
     parser.add_argument("--scale", type=float, default=1.0, help="of the large database (a quick look: 0.05)")
+    parser.add_argument("--blocks", type=int, default=30, help="in-process cycles counting pages")
     parser.add_argument("--explain-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks-only", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.explain_only:
         explain_here()
+        return
+    if args.blocks_only:
+        blocks_here(args.blocks_only)
         return
     small_url, large_url = database(""), database("_large")
     large = (int(LARGE[0] * args.scale), int(LARGE[1] * args.scale))
@@ -381,6 +451,7 @@ def main() -> None:
     with psycopg.connect(large_url, autocommit=True) as conn:
         conn.execute(LIFT_LIMITS)
     plans = explain(large_url)
+    pages = {name: blocks(url, args.blocks) for name, url in (("small", small_url), ("large", large_url))}
     # Again after the EXPLAIN run, which made the accounts that did not exist yet (made on first use).
     with psycopg.connect(large_url, autocommit=True) as conn:
         conn.execute(LIFT_LIMITS)
@@ -426,6 +497,14 @@ def main() -> None:
     print("EXPLAIN on the large database (scans of each statement):")
     for line in plans:
         print("  " + line)
+    print(
+        f"pages per call, in-process (mean of {args.blocks} cycles): touched and read outside shared buffers"
+        " (PostgreSQL's statistics of each database's tables and indexes)"
+    )
+    print(f"{'call':12} {'touched small':>14} {'large':>8} {'read small':>11} {'large':>8}")
+    for call, (touched, read) in pages["small"].items():
+        big_touched, big_read = pages["large"][call]
+        print(f"{call:12} {touched:14.1f} {big_touched:8.1f} {read:11.2f} {big_read:8.2f}")
     audited = "clean" if report.ok else report.violations + report.leaks
     print(f"audit of the small database after the run: {audited}")
 
