@@ -1,7 +1,7 @@
 """What every call of the protocol costs, not only the admission (issue 22 §2), each figure with its baseline.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
-        .venv/bin/python bench/lifecycle_bench.py [--cycles 60] [--seconds 6] [--reuse-large]
+        .venv/bin/python bench/lifecycle_bench.py [--cycles 60] [--seconds 6] [--reuse-large] [--blocks 30]
 
 Two databases, each created, migrated and provisioned with the demo here: ``<name>_bench`` with 10,000
 settled reservations and 50,000 ledger entries on the hot tenant, and ``<name>_bench_large`` with 1,000,000
@@ -15,7 +15,11 @@ large database an earlier run built). One gunicorn serves each, as ``./platform 
   - admit + release (cancel) pairs/s over HTTP with 8 clients against the raw psycopg transactions of the
     same shape (the reservation with its holds and entries, then the release of it), in two alternated rounds;
   - EXPLAIN of every statement a lifecycle call and the admission run, on the large database (in-process): a
-    sequential scan of a table that grows with traffic is reported.
+    sequential scan of a table that grows with traffic is reported;
+  - the pages each call touches and reads outside shared buffers, on both databases (in-process, ``--blocks``
+    cycles, from PostgreSQL's statistics of the database's own tables and indexes): a count that a shared,
+    loaded machine does not blur as it blurs a 1.2x in time. A read is a page the call found in no buffer —
+    a system call, and the eviction of another page (written out first when dirty).
 The audit of the small database must be clean at the end.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import re
 import statistics
@@ -274,10 +279,10 @@ def child(url: str, *args: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-def explain(url: str) -> list[str]:
-    """EXPLAIN every statement of an admission and of each lifecycle call on ``url``; returns one line per
-    statement: its first words, and its scans."""
-    return child(url, "--explain-only")
+def explain(url: str, cycles: int) -> dict[str, list[Any]]:
+    """Per statement of an admission and of each lifecycle call on ``url``: its plan's scans and its median
+    execution time in ms (``explain_here``)."""
+    return dict(json.loads(child(url, "--explain-only", str(cycles))[-1]))
 
 
 def blocks(url: str, cycles: int) -> dict[str, list[float]]:
@@ -328,31 +333,33 @@ def in_process_cycle(post: Post, tag: str) -> None:
     post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
 
 
-def explain_here() -> None:
-    """In this process (Django set up on DATABASE_URL): run one cycle through Django's test client, keep
-    every statement with its parameters, and print each one's plan's scans."""
+def explain_here(cycles: int) -> None:
+    """In this process (Django set up on DATABASE_URL): run ``cycles`` cycles through Django's test client,
+    and before every statement runs, EXPLAIN (ANALYZE, BUFFERS) it in a transaction (or savepoint) rolled
+    back. Prints one JSON object: per statement (its call and first words), its plan's scans and the median
+    of its execution times."""
     connection, post, current = in_process()
-    seen: list[tuple[str, str, Any]] = []
+    scans: dict[str, list[str]] = {}
+    times: dict[str, list[float]] = {}
 
     def keep(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
         if not many and sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "WITH", "DELETE")):
-            seen.append((current[0], sql, params))
+            raw = connection.connection
+            with raw.transaction(force_rollback=True):
+                plan = [row[0] for row in raw.execute(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params)]
+            key = f"{current[0]:12} {' '.join(sql.split()[:3])[:40]:40}"
+            nodes = {re.sub(r"^\s*(->\s*)?", "", line).split("  (")[0] for line in plan if "Scan " in line}
+            scans.setdefault(key, sorted(nodes))
+            elapsed = next(line for line in plan if line.startswith("Execution Time"))
+            times.setdefault(key, []).append(float(elapsed.split()[2]))
         return execute(sql, params, many, context)
 
     warm = f"explain-warm-{time.time_ns()}"
     post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": warm}, warm)
     with connection.execute_wrapper(keep):
-        in_process_cycle(post, f"explain-{time.time_ns()}")
-    with connection.cursor() as cursor:
-        for name, sql, params in seen:
-            cursor.execute(f"EXPLAIN {sql}", params)
-            plan = [row[0] for row in cursor.fetchall()]
-            scans = sorted(
-                {re.sub(r"^\s*(->\s*)?", "", line).split("  (")[0] for line in plan if "Scan " in line}
-            )
-            seq = [s for s in scans if s.startswith("Seq Scan") and any(f" {t} " in f"{s} " for t in GROWING)]
-            words = " ".join(sql.split()[:3])[:40]
-            print(f"{name:12} {words:40} {'SEQ SCAN OF A GROWING TABLE ' if seq else ''}{'; '.join(scans)}")
+        for n in range(cycles):
+            in_process_cycle(post, f"explain-{time.time_ns()}-{n}")
+    print(json.dumps({key: [scans[key], statistics.median(times[key])] for key in scans}))
 
 
 # The pages of this database's tables and indexes a call found in shared buffers (hit) and had to read
@@ -417,11 +424,12 @@ def main() -> None:
     parser.add_argument("--reuse-large", action="store_true")
     parser.add_argument("--scale", type=float, default=1.0, help="of the large database (a quick look: 0.05)")
     parser.add_argument("--blocks", type=int, default=30, help="in-process cycles counting pages")
-    parser.add_argument("--explain-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--explain", type=int, default=10, help="in-process cycles explained (ANALYZE)")
+    parser.add_argument("--explain-only", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--blocks-only", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.explain_only:
-        explain_here()
+        explain_here(args.explain_only)
         return
     if args.blocks_only:
         blocks_here(args.blocks_only)
@@ -450,7 +458,7 @@ def main() -> None:
     account_ids, tenant_id, refs = admission_bench.hot_shape()  # limits lifted: throughput is measured
     with psycopg.connect(large_url, autocommit=True) as conn:
         conn.execute(LIFT_LIMITS)
-    plans = explain(large_url)
+    plans = {name: explain(url, args.explain) for name, url in (("small", small_url), ("large", large_url))}
     pages = {name: blocks(url, args.blocks) for name, url in (("small", small_url), ("large", large_url))}
     # Again after the EXPLAIN run, which made the accounts that did not exist yet (made on first use).
     with psycopg.connect(large_url, autocommit=True) as conn:
@@ -494,9 +502,17 @@ def main() -> None:
         f"admit + release, {CLIENTS} clients: HTTP {http:.1f} pairs/s ÷ raw psycopg {raw:.1f} pairs/s = "
         f"{http / raw:.2f}  goal ≥ 0.5"
     )
-    print("EXPLAIN on the large database (scans of each statement):")
-    for line in plans:
-        print("  " + line)
+    print(
+        f"EXPLAIN (ANALYZE, BUFFERS) of every statement, in-process, each rolled back just before it ran: "
+        f"median execution ms of {args.explain} cycles, small and large, and the scans on the large database"
+    )
+    for key, (scans, large_ms) in plans["large"].items():
+        small_ms = plans["small"].get(key, [[], math.nan])[1]
+        seq = [s for s in scans if s.startswith("Seq Scan") and any(f" {t} " in f"{s} " for t in GROWING)]
+        print(
+            f"  {key} {small_ms:7.3f} {large_ms:7.3f} {large_ms / small_ms:5.2f}  "
+            f"{'SEQ SCAN OF A GROWING TABLE ' if seq else ''}{'; '.join(scans)}"
+        )
     print(
         f"pages per call, in-process (mean of {args.blocks} cycles): touched and read outside shared buffers"
         " (PostgreSQL's statistics of each database's tables and indexes)"
