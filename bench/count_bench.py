@@ -9,7 +9,8 @@ round measures all four on the same machine moment, so a load spike hits them al
   tiktoken, or ``MistralTokenizer.encode_chat_completion`` of the request), plus the template's specials;
 - ``cold``: our count of a new request's rendering with nothing known: this process's ``TextCounts`` empty and
   none of its keys in Redis, so every segment is hashed into its key, asked of Redis (one MGET), encoded,
-  and written back (one script call) and into ``TextCounts``;
+  and written back (one script call, sent with its reply skipped: the count does not wait for it) and into
+  ``TextCounts``;
 - ``warm``: our count of a new request of the same content (parsed and rendered again: new strings, whose
   hashes are computed as a real request's are), every segment already in this process's ``TextCounts`` —
   a worker's steady state: no key is built and Redis is not asked;
@@ -76,7 +77,8 @@ CODE = (
 
 
 class BenchCache:
-    """Production's ``RedisCountCache`` (MGET, one script call to write) with every key under ``bench:``."""
+    """Production's ``RedisCountCache`` (MGET; one script call to write, its reply skipped), every key under
+    ``bench:``."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client

@@ -14,8 +14,10 @@ large database an earlier run built). One gunicorn serves each, as ``./platform 
   - the same p50s with the large database against the small one (flat in data: ≤ 1.2);
   - admit + release (cancel) pairs/s over HTTP with 8 clients against the raw psycopg transactions of the
     same shape (the reservation with its holds and entries, then the release of it), in two alternated rounds;
-  - EXPLAIN of every statement a lifecycle call and the admission run, on the large database (in-process): a
-    sequential scan of a table that grows with traffic is reported;
+  - EXPLAIN (ANALYZE, BUFFERS) of every statement a lifecycle call and the admission run, on both databases
+    (in-process, ``--explain`` cycles, each statement's copy rolled back just before it runs): its median
+    execution time, small and large, and its scans (a sequential scan of a table that grows with traffic is
+    reported);
   - the pages each call touches and reads outside shared buffers, on both databases (in-process, ``--blocks``
     cycles, from PostgreSQL's statistics of the database's own tables and indexes): a count that a shared,
     loaded machine does not blur as it blurs a 1.2x in time. A read is a page the call found in no buffer —
@@ -320,7 +322,8 @@ def in_process() -> tuple[Any, Post, list[str]]:
 
 
 def in_process_cycle(post: Post, tag: str) -> None:
-    """An admission and each lifecycle call once (the failure aside), then a second admission, cancelled."""
+    """An admission and each lifecycle call once, then a second admission, cancelled, and a third, dispatched
+    and failed."""
     admitted = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag}, tag)
     base = f"/api/v1/reservations/{admitted['reservationId']}"
     post("lease", f"{base}/lease", {"fence": 1})
@@ -331,6 +334,12 @@ def in_process_cycle(post: Post, tag: str) -> None:
     post("usage-final", f"{base}/usage", {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True})
     other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
     post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
+    # The refund's statement reads what the reservation posted into each account's period.
+    failed = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "f"}, tag + "f")
+    base = f"/api/v1/reservations/{failed['reservationId']}"
+    dispatch = {"fence": 1, "providerRequestId": f"pf-{tag}", "admittedDigest": failed["admittedDigest"]}
+    post("dispatch", f"{base}/dispatch", dispatch)
+    post("fail", f"{base}/fail", {"fence": 1, "reason": "connection refused", "requestSent": False})
 
 
 def explain_here(cycles: int) -> None:

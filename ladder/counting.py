@@ -16,21 +16,28 @@ import os
 import threading
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from tokenizers import Tokenizer
 
 from ladder.components import canonical_digest
 from ladder.templates import (
+    BOUND,
+    COSTING,
+    CUT,
+    IMAGE,
+    SPECIAL,
     TEMPLATE_BUCKET,
     TEMPLATE_OBJECT,
+    TEXT,
     Bound,
     Image,
     Piece,
-    Special,
     Text,
     check_boundaries,
 )
@@ -141,10 +148,11 @@ class TextCounts:
                 if len(text) > limit:
                     continue
                 key = (counter_digest, template_revision, text)
-                if key not in held:
+                if key in held:
+                    held.move_to_end(key)
+                else:
                     self._chars += len(text)
                 held[key] = value
-                held.move_to_end(key)
             while self._chars > limit:
                 (_, _, text), _ = held.popitem(last=False)
                 self._chars -= len(text)
@@ -389,9 +397,21 @@ def with_total(count: Count, total: int, method: CountMethod) -> Count:
     )
 
 
+_TEXT_OF = attrgetter("text")
+# Kinds (ladder.templates.check_boundaries) to 1 for the texts only, which the tokenizer counts.
+_TEXTS = bytes.maketrans(bytes([SPECIAL, CUT, TEXT, BOUND, IMAGE]), bytes([0, 0, 1, 0, 0]))
+
+
+def cache_keys(counter_digest: str, template_revision: str, texts: Sequence[str]) -> list[str]:
+    """Return the cache key of each text segment, in order."""
+    prefix = f"tc:{counter_digest}:{template_revision}:"
+    sha256 = hashlib.sha256
+    return [prefix + sha256(text.encode("utf-8")).hexdigest() for text in texts]
+
+
 def cache_key(counter_digest: str, template_revision: str, text: str) -> str:
     """Return the cache key of one text segment."""
-    return f"tc:{counter_digest}:{template_revision}:{hashlib.sha256(text.encode('utf-8')).hexdigest()}"
+    return cache_keys(counter_digest, template_revision, (text,))[0]
 
 
 def count_stream(
@@ -409,21 +429,17 @@ def count_stream(
     ``memo`` (text → count) is consulted first and filled: the recounts of one ladder walk then neither look
     a text up again nor ask the cache for it. It must only ever hold counts of this ``counter`` under this
     ``template_revision``. ``known`` (the process's ``TextCounts``) is consulted next, then ``cache`` (by
-    ``cache_key``) for what neither has; what the cache or the counter answered is added to ``known``.
+    ``cache_keys``) for what neither has; what the cache or the counter answered is added to ``known``.
 
     Raises CountingUnavailable when the counter fails, TemplateError when the stream breaks the boundary rule
     (its segment counts would not add up), and ValueError if the counter answers with the wrong shape.
     """
-    check_boundaries(pieces)
+    kinds = check_boundaries(pieces)
     texts: dict[str, int] = {} if memo is None else memo
-    unique: list[str] = []
-    asked: set[str] = set()
-    for piece in pieces:
-        if type(piece) is Text:
-            text = piece.text
-            if text not in texts and text not in asked:
-                asked.add(text)
-                unique.append(text)
+    # The distinct texts, in stream order (dict.fromkeys and the selections run in C, not per piece).
+    unique = list(dict.fromkeys(map(_TEXT_OF, compress(pieces, kinds.translate(_TEXTS)))))
+    if texts:
+        unique = [text for text in unique if text not in texts]
     digest = counter.digest
     if unique and known is not None:
         found = known.get_many(digest, template_revision, unique)
@@ -435,7 +451,7 @@ def count_stream(
                 texts[text] = value
         unique = missing_texts
     if unique:
-        keys = [cache_key(digest, template_revision, text) for text in unique]
+        keys = cache_keys(digest, template_revision, unique)
         cached = cache.get_many(keys)
         missing = [index for index, value in enumerate(cached) if value is None]
         learned: dict[str, int] = {}
@@ -457,24 +473,21 @@ def count_stream(
 
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}
-    specials = 0
     method = counter.method
-    for piece in pieces:
+    # Only the pieces that cost tokens: a cut costs none, and the specials are counted in one go below.
+    costing = cast("Iterator[Text | Bound | Image]", compress(pieces, kinds.translate(COSTING)))
+    for piece in costing:
         if type(piece) is Text:
             tokens = texts[piece.text]
-        elif type(piece) is Special:
-            specials += 1
-            continue
         elif type(piece) is Image:
             tokens = image_tokens(piece.width, piece.height, image_formula)
         elif type(piece) is Bound:
             # Every token of a byte-level BPE covers at least one byte (see Bound).
             tokens = len(piece.text.encode("utf-8"))
             method = "UPPER_BOUND"
-        else:
-            continue  # a Cut: no token
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
         per_object[piece.object_id] = per_object.get(piece.object_id, 0) + tokens
+    specials = kinds.count(SPECIAL)
     per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials
     per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + specials
     total = sum(per_bucket.values())

@@ -103,4 +103,8 @@ class TiktokenCounter:
     def count_many(self, texts: Sequence[str]) -> list[int]:
         """Return the exact token count of each text."""
         # Not encode_ordinary_batch: it starts a thread pool on every call, which costs more than it saves.
-        return [len(self.encode(text)) for text in texts]
+        encode = self.encoding.encode_ordinary
+        if self.chunks is None:
+            return [len(encode(text)) for text in texts]
+        chunks = self.chunks
+        return [sum(len(encode(chunk)) for chunk in chunks(text)) for text in texts]

@@ -52,9 +52,8 @@ class LimitsChanged(Conflict):
 
 
 class RowChanged(Exception):
-    """A reservation read without a lock changed before its one write ran, so the write wrote nothing — or
-    the use case needs more than one write, which only its row's lock makes safe (an internal signal of the
-    ledger's services: the call runs again under the row's lock; never an answer)."""
+    """A reservation read without a lock changed before its one write ran, so the write wrote nothing (an
+    internal signal of the ledger's services: the call runs again under the row's lock; never an answer)."""
 
 
 class HoldRefused(Exception):

@@ -84,16 +84,6 @@ def lock_expired_leases(
     )
 
 
-def lock_account_periods(account_ids: Sequence[int]) -> dict[int, Any]:
-    """Lock accounts in ascending order and return their current period starts (a write follows)."""
-    return dict(
-        CapacityAccount.objects.select_for_update()
-        .filter(pk__in=list(account_ids))
-        .order_by("pk")
-        .values_list("pk", "period_start")
-    )
-
-
 def lock_reconciling(expired_before: object, limit: int) -> list[Reservation]:
     """Lock RECONCILING reservations whose claim lease expired, oldest first, skipping locked rows."""
     return list(

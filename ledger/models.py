@@ -142,6 +142,10 @@ BALANCES = (
 MONEY_BALANCES = ("spend_reserved", "spend_consumed")
 """Balances in the account's currency: a reservation moves them only on the accounts kept in its own
 currency (``ledger/statements.py``); an unpriced reservation moves none."""
+CONSUMED_BALANCES = ("input_consumed", "output_consumed", "spend_consumed")
+"""Balances of the account's quota period: a roll-over takes them back to zero, so a decrease of one (a
+refund, a downward correction) takes from an account no more than the reservation posted into its current
+period (``ledger/statements.py``)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Two statements move balances, both locking the accounts in ascending id order (t
     of every account, the holds and one HOLD entry per account): the ONE shape of a hold;
   - ``move_balances``: a use case's moves with their entries, the reservation's UPDATE and new rows (the
     reservation's row locked by the use case, or its UPDATE conditional on the row version the use case read,
-    run before the accounts are locked).
+    run before the accounts are locked); a decrease of a consumed balance (a refund, a downward correction) is
+    capped inside it at what the reservation posted into each account's current period.
 
 Money (``MONEY_BALANCES``) moves only on the accounts kept in the reservation's currency: each statement
 scales a row's money by ``money``, 1 on such an account and 0 elsewhere, before it adds, checks or records
@@ -24,9 +25,10 @@ on stale balances. ``Limit.refuses`` is the same predicate in Python.
 Adding a dimension (a spend limit in money, say):
   1. the columns, in one migration: the account's limit (NULL: unlimited) and its balances
      (``spend_reserved``, ``spend_consumed``) on ``CapacityAccount``, the same balances on ``LedgerEntry``;
-  2. the balances in ``ledger.models.BALANCES`` and one ``Limit("spend", "spend_limit", (...))`` in
-     ``ledger.models.LIMITS``: every statement here then adds, sums, checks and records them (the hold's
-     delta row, the moves' VALUES, the entries), and ``accounts.shortage`` names the dimension;
+  2. the balances in ``ledger.models.BALANCES`` (a consumed one, which a roll-over zeroes, in
+     ``CONSUMED_BALANCES`` too) and one ``Limit("spend", "spend_limit", (...))`` in ``ledger.models.LIMITS``:
+     every statement here then adds, sums, checks and records them (the hold's delta row, the moves' VALUES,
+     the entries, the cap of a decrease), and ``accounts.shortage`` names the dimension;
   3. the amounts: what a hold adds (``postings.hold_amounts``) and the moves that change them
      (``Postings.move``).
 """
@@ -41,7 +43,7 @@ from django.db import DatabaseError, connection
 
 from budgeting.db.cursor import prepared_cursor
 from ledger.errors import HoldRefused, RowChanged
-from ledger.models import BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
+from ledger.models import BALANCES, CONSUMED_BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
 
 # The SQLSTATE of ledger_require_holds (migration ledger 0009): a hold refused by an account's limits.
 REFUSED_SQLSTATE = "TB429"
@@ -172,8 +174,76 @@ def _refused_accounts(error: DatabaseError) -> set[int] | None:
     return {int(part) for part in cause.diag.message_detail.split(",")}
 
 
+# What an entry's reason says when part of a decrease stayed in a closed period (``_capped_sql``).
+CLOSED_PERIOD_NOTE = " (part of the decrease belongs to a closed period)"
+
+
+def _capped_sql() -> str:
+    """The moves ``v`` as ``m``, each decrease of a consumed balance (``CONSUMED_BALANCES``) capped, per
+    account, at what the reservation has posted into the account's current period, its earlier moves in the
+    statement counted: the rest was consumed in a period a roll-over has closed since, stays there, and is not
+    taken from the new period (which must not go negative). The entry of a move capped says so. Money is
+    taken as the account takes it (0 outside the reservation's currency; ``s`` and ``ent`` scaling it again
+    change nothing).
+
+    Per account and balance, in the moves' order: S is the posted amount plus the moves up to this one, L the
+    least of 0 and every S so far; a move applies its amount less the step it makes L take (nothing for a move
+    that leaves the running amount at or above 0, so an increase applies in full).
+
+    The accounts are those ``locked`` returns (as they are now, after their lock: their period too); the
+    reservation's entries are read in the statement's snapshot, and they are all there: every write of a
+    reservation's entries writes its row, which the caller locked before this statement, or which the
+    statement's own UPDATE found unchanged since the caller read it (``unchanged_since``)."""
+    running = ", ".join(
+        f"COALESCE(p.{column}, 0) + sum(v.{column} * {_unit(column)}) OVER upto AS {column}_s"
+        for column in CONSUMED_BALANCES
+    )
+    applied = ", ".join(
+        f"{column} - least(0, min({column}_s) OVER upto)"
+        f" + least(0, COALESCE(min({column}_s) OVER before, 0)) AS {column}_applied"
+        for column in CONSUMED_BALANCES
+    )
+    balances = ", ".join(
+        f"c.{column}_applied AS {column}" if column in CONSUMED_BALANCES else f"c.{column}"
+        for column in BALANCES
+    )
+    asked = ", ".join(f"c.{column}" for column in CONSUMED_BALANCES)
+    got = ", ".join(f"c.{column}_applied" for column in CONSUMED_BALANCES)
+    scaled = ", ".join(f"v.{column} * {_unit(column)} AS {column}" for column in BALANCES)
+    posted = ", ".join(f"sum(e.{column}) AS {column}" for column in CONSUMED_BALANCES)
+    upto = "PARTITION BY account_id ORDER BY ord ROWS UNBOUNDED PRECEDING"
+    return f"""
+posted AS (
+    SELECT e.account_id, {posted}
+      FROM ledger_ledgerentry AS e JOIN locked AS l ON l.id = e.account_id AND l.period_start = e.period_start
+     WHERE e.reservation_id = %s::uuid
+     GROUP BY e.account_id),
+run AS (
+    SELECT v.ord, v.account_id, v.kind, v.reason, {scaled}, {running}
+      FROM v JOIN locked AS l ON l.id = v.account_id LEFT JOIN posted AS p ON p.account_id = v.account_id
+    WINDOW upto AS (PARTITION BY v.account_id ORDER BY v.ord ROWS UNBOUNDED PRECEDING)),
+c AS (
+    SELECT run.*, {applied} FROM run
+    WINDOW upto AS ({upto}),
+           before AS (PARTITION BY account_id ORDER BY ord ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)),
+m AS (
+    SELECT c.ord, c.account_id, c.kind,
+           left(c.reason || CASE WHEN ({asked}) <> ({got}) THEN %s ELSE '' END, 300) AS reason, {balances}
+      FROM c),"""
+
+
+def _unit(column: str) -> str:
+    """A move's amount of ``column`` as the account takes it: money only in the account's currency."""
+    return "l.money" if column in MONEY_BALANCES else "1"
+
+
+# Where a move row's amounts start (after order, account id, kind and reason), and its consumed balances.
+_AMOUNTS = 4
+_CONSUMED_AT = [BALANCES.index(column) for column in CONSUMED_BALANCES]
+
+
 @functools.lru_cache(maxsize=32)
-def _moves_sql(rows: int, checked: bool, after_w0: bool) -> str:
+def _moves_sql(rows: int, checked: bool, after_w0: bool, capped: bool) -> str:
     types = _types()
     row = ", ".join(["%s::int", "%s::bigint", "%s", "%s", *(f"%s::{types[c]}" for c in BALANCES)])
     values = ", ".join([f"({row})"] * rows)
@@ -187,13 +257,15 @@ def _moves_sql(rows: int, checked: bool, after_w0: bool) -> str:
     nonmoney = [column for column in BALANCES if column not in MONEY_BALANCES]
     money = ", ".join(f"m.{column} * l.money" for column in MONEY_BALANCES)
     zeros = ", ".join(["0"] * len(BALANCES))
+    # The moves as given are ``m``; with a decrease, ``v``, and ``m`` is them capped (``_capped_sql``).
+    given = "v" if capped else "m"
     # Accounts locked in ascending id order, balances moved by the sum of the moves, one entry per move and
     # account (in the moves' order, so entry ids follow what happened).
-    return f"""m(ord, account_id, kind, reason, {", ".join(BALANCES)}) AS (VALUES {values}),
+    return f"""{given}(ord, account_id, kind, reason, {", ".join(BALANCES)}) AS (VALUES {values}),
 locked AS (
     SELECT id, period_start, (currency = %s::text)::int AS money FROM ledger_capacityaccount
-     WHERE id IN (SELECT account_id FROM m){" AND EXISTS (SELECT FROM w0)" if after_w0 else ""}
-     ORDER BY id FOR UPDATE),
+     WHERE id IN (SELECT account_id FROM {given}){" AND EXISTS (SELECT FROM w0)" if after_w0 else ""}
+     ORDER BY id FOR UPDATE),{_capped_sql() if capped else ""}
 s AS (
     SELECT m.account_id, {sums} FROM m JOIN locked AS l ON l.id = m.account_id
      GROUP BY m.account_id, l.money),
@@ -224,7 +296,8 @@ def move_balances(
     kind, reason, one amount per balance of ``BALANCES``) — in ONE statement; returns the accounts whose
     balances moved. With ``checked`` an account moves only where ``within_limits`` holds (the caller rolls
     its transaction back when one is missing). The moves' money is in ``currency``: an entry that would move
-    nothing on an account of another currency is not written.
+    nothing on an account of another currency is not written. A decrease of a consumed balance takes from an
+    account no more than the reservation posted into its current period (``_capped_sql``).
 
     ``unchanged_since`` (the reservation row's version when it was read without a lock, ``writes[0]`` being
     its UPDATE): the UPDATE applies only to that version, it runs before the accounts are locked (the lock
@@ -240,9 +313,10 @@ def move_balances(
         guard = "ledger_require_unchanged(EXISTS (SELECT FROM w0))"
     moved = "SELECT 1 WHERE false"
     if moves:
-        ctes.append(_moves_sql(len(moves), checked, unchanged_since is not None))
+        capped = any(row[_AMOUNTS + i] < 0 for row in moves for i in _CONSUMED_AT)
+        ctes.append(_moves_sql(len(moves), checked, unchanged_since is not None, capped))
         params.extend(value for row in moves for value in row)
-        params.extend([currency, reservation_id])
+        params.extend([currency, *([reservation_id, CLOSED_PERIOD_NOTE] if capped else []), reservation_id])
         moved = "SELECT id FROM upd"
     ids = "COALESCE(array_agg(id), '{}')"
     tail: list[Any] = []

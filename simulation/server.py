@@ -49,6 +49,10 @@ class WireHandler(BaseHTTPRequestHandler):
     """Keep-alive HTTP/1.1 with the writing and reading helpers the endpoints share (OpenAI-style errors)."""
 
     protocol_version = "HTTP/1.1"
+    # A real provider's server does not wait for the client's (delayed, 40 ms) ACK of the headers before it
+    # sends the body: without TCP_NODELAY every answer of the simulator did (Nagle's algorithm), and a
+    # zero-delay call took ~50 ms.
+    disable_nagle_algorithm = True
     server: TrackingServer
 
     def setup(self) -> None:

@@ -50,23 +50,45 @@ class RedisCountCache:
     def __init__(self, client: redis.Redis | None = None, ttl_seconds: int | None = None) -> None:
         self.client = client or redis_client()
         self.ttl = ttl_seconds or settings.COUNT_CACHE_TTL_SECONDS
-        self._set_with_expiry = self.client.register_script(self.SET_WITH_EXPIRY)
 
     def get_many(self, keys: Sequence[str]) -> list[int | None]:
         if not keys or time.monotonic() < _skip_until:
             return [None] * len(keys)
         try:
             values = cast(list[bytes | None], self.client.mget(list(keys)))
+            # A server that ignored a write's CLIENT REPLY SKIP (see set_many) would leave its reply to be
+            # read as this one: out of step, it is a failure like any other, never a count.
+            if not isinstance(values, list) or len(values) != len(keys):
+                raise redis.ResponseError("count cache: the reply is not the answer to this MGET")
         except redis.RedisError as exc:
             _redis_failed(exc)
             return [None] * len(keys)
         return [None if v is None else int(v) for v in values]
 
     def set_many(self, mapping: Mapping[str, int]) -> None:
+        """Send the counts with their expiry, without waiting for Redis to store them.
+
+        A count does not need the write's answer: ``CLIENT REPLY SKIP`` (Redis 3.2 and later, spoken to
+        directly, not through a proxy that drops it) tells Redis to send none, so the count returns once the
+        command is sent. Waiting for it was the largest part of what a cold count added to its tokenizer's
+        time: about 0.8 ms of the 2-3 ms for count_bench's 188 segments, where sending takes about 0.12 ms.
+        The connection goes back to the pool with no reply pending, and the commands of one connection run
+        in order, so what this process asks next on it sees the write. The body is sent (EVAL), not its
+        digest: a skipped reply could not say that Redis no longer knows the script, and Redis keeps the
+        compiled body. A refused write (Redis out of memory) goes unseen; a connection that fails does not,
+        and Redis is skipped for a while, as after a failed read.
+        """
         if not mapping or time.monotonic() < _skip_until:
             return
+        keys = list(mapping)
+        write = ("EVAL", self.SET_WITH_EXPIRY, len(keys), *keys, *mapping.values(), self.ttl)
+        pool = self.client.connection_pool
         try:
-            self._set_with_expiry(keys=list(mapping), args=[*mapping.values(), self.ttl], client=self.client)
+            connection = pool.get_connection()
+            try:
+                connection.send_packed_command(connection.pack_commands([("CLIENT", "REPLY", "SKIP"), write]))
+            finally:
+                pool.release(connection)
         except redis.RedisError as exc:
             _redis_failed(exc)
 

@@ -164,7 +164,8 @@ def shortage(
     Raises PriceUnavailable when the account has a spend limit in another currency than the request's price
     (or the request has none): the reserving statement refuses those too (its limit may have been set after
     the account list was cached)."""
-    fresh = CapacityAccount.objects.get(pk=account.pk)
+    # One read: the label names the account's tenant, task class and pool.
+    fresh = CapacityAccount.objects.select_related("tenant", "task_class", "pool").get(pk=account.pk)
     if fresh.spend_limit is not None and currency != fresh.currency:
         raise PriceUnavailable(
             f"{fresh.label} has a spend limit in {fresh.currency} and the model revision has "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -81,9 +82,9 @@ def _written(
 ) -> T:
     """Run a use case whose write is ONE statement (``Postings.flush``): first on the row read without a
     lock, its write applying only to the row version it read — two statements that each commit themselves,
-    no transaction and no lock held between them — and, when the row changed in between (or the use case
-    needs more than one write), again in a transaction under the row's lock. Either way the use case sees a
-    committed state of the row and its write applies to that state only."""
+    no transaction and no lock held between them — and, when the row changed in between, again in a
+    transaction under the row's lock. Either way the use case sees a committed state of the row and its write
+    applies to that state only."""
     tenants = list(tenant_ids)
 
     def unlocked() -> T:
@@ -336,10 +337,12 @@ def fail(
 ) -> Reservation:
     """A provider call failed. Proof of non-processing releases in full; otherwise settle what was incurred.
 
-    ``request_sent`` is RequestSent.NO only with proof (connection refused before any byte was sent).
+    ``request_sent`` is RequestSent.NO only with proof (connection refused before any byte was sent). A
+    ``usage`` event already recorded with the same amounts is not captured again; with other amounts it is a
+    UsageEventConflict.
     """
 
-    def use_case(reservation: Reservation, posts: Postings) -> Reservation:
+    def use_case(reservation: Reservation, posts: Postings, *, recorded: bool) -> Reservation:
         if reservation.state == State.RESERVED:
             settle(
                 posts,
@@ -359,23 +362,8 @@ def fail(
             )
             reservation.failure_reason = f"never processed: {reason}"
         elif reservation.state in {State.DISPATCHED, State.RUNNING}:
-            earlier = None
-            if usage is not None:
-                earlier = UsageEvent.objects.filter(
-                    reservation=reservation, usage_event_id=usage.usage_event_id
-                ).first()
-                if earlier is not None and (earlier.output_tokens, earlier.input_tokens) != (
-                    usage.output_tokens,
-                    usage.input_tokens,
-                ):
-                    raise UsageEventConflict(
-                        f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
-                        recorded={
-                            "outputTokens": earlier.output_tokens,
-                            "inputTokens": earlier.input_tokens,
-                        },
-                    )
-            if usage is not None and earlier is None:
+            if usage is not None and not recorded:
+                # No look-up of the event id first: its unique index answers a repeat (one statement fewer).
                 capture(
                     posts,
                     usage_event_id=usage.usage_event_id,
@@ -396,7 +384,25 @@ def fail(
         posts.flush()
         return reservation
 
-    return _written(reservation_id, tenant_ids, fence, use_case)
+    tenants = list(tenant_ids)
+    try:
+        return _written(reservation_id, tenants, fence, functools.partial(use_case, recorded=False))
+    except IntegrityError:
+        if usage is None:
+            raise
+        earlier = UsageEvent.objects.filter(
+            reservation_id=reservation_id,
+            usage_event_id=usage.usage_event_id,
+            reservation__tenant_id__in=tenants,
+        ).first()
+        if earlier is None:
+            raise
+        if (earlier.output_tokens, earlier.input_tokens) != (usage.output_tokens, usage.input_tokens):
+            raise UsageEventConflict(
+                f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
+                recorded={"outputTokens": earlier.output_tokens, "inputTokens": earlier.input_tokens},
+            ) from None
+    return _written(reservation_id, tenants, fence, functools.partial(use_case, recorded=True))
 
 
 # The columns a lifecycle answer shows (``ledger.selectors.lifecycle_answer``), read back by the renewal.

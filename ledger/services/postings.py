@@ -12,13 +12,13 @@ from datetime import datetime
 from typing import Any
 
 from django.db import models, transaction
-from django.db.models import F, Sum
+from django.db.models import F
 
 from budgeting.catalog.prices import cost
 from budgeting.db.cursor import this_connection
 from budgeting.db.rows import RecordInsert, insert_sql, update_sql, written
-from ledger import locks, statements
-from ledger.errors import RowChanged, UsageEventConflict
+from ledger import statements
+from ledger.errors import UsageEventConflict
 from ledger.models import (
     CapacityAccount,
     EntryKind,
@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 class _Move:
     kind: str
     reason: str
-    # account id -> one amount per balance of ``ledger.models.BALANCES`` (tokens, concurrency, then money)
-    deltas: dict[int, tuple[int, int, int, int, int, int, int]]
+    # One amount per balance of ``ledger.models.BALANCES`` (tokens, concurrency, then money), on every account
+    amounts: tuple[int, int, int, int, int, int, int]
 
 
 @dataclass
@@ -46,10 +46,11 @@ class Postings:
     together by ``flush`` in ONE statement (``statements.move_balances``): the accounts are locked in
     ascending order inside it.
 
-    A move applies the same deltas to every held account. A decrease of consumed tokens (a refund or a
-    downward correction) is limited, per account, to what this reservation posted into the account's current
-    period: the rest was consumed in a period since closed by a roll-over, stays there, and is not taken from
-    the new period (which must not go negative); its entry says when part of the decrease stayed behind.
+    A move applies the same deltas to every held account. A decrease of consumed tokens or money (a refund
+    or a downward correction) is limited, per account, to what this reservation posted into the account's
+    current period: the rest was consumed in a period since closed by a roll-over, stays there, and is not
+    taken from the new period (which must not go negative); the statement itself caps it (the posted sums are
+    read in it, under the accounts' locks), and the entry says when part of the decrease stayed behind.
 
     Money follows the tokens: before the statement is written (and before a settlement releases the rest),
     the reservation's posted spend is brought to what its tokens cost at the prices frozen on it
@@ -62,7 +63,7 @@ class Postings:
     inserts: list[models.Model] = field(default_factory=list)
     unchanged_since: str | None = None
     """The reservation's row version when it was read without a lock: the one write ``flush`` makes applies
-    only to that version (RowChanged otherwise, and for a use case that needs more than one write)."""
+    only to that version (RowChanged otherwise)."""
 
     def move(
         self,
@@ -86,62 +87,16 @@ class Postings:
             spend_reserved,
             spend_consumed,
         )
-        if not any(amounts):
-            return
-        if input_consumed >= 0 and output_consumed >= 0 and spend_consumed >= 0:
-            self.moves.append(_Move(kind, reason[:300], dict.fromkeys(self.account_ids, amounts)))
-            return
-        # What was posted so far must be written before it can be counted: the rare decrease costs statements,
-        # which only the row's lock keeps consistent.
-        if self.unchanged_since is not None:
-            raise RowChanged
-        self.flush(save=False)
-        periods = locks.lock_account_periods(self.account_ids)
-        posted: dict[int, tuple[int, int, int]] = {}
-        for row in (
-            LedgerEntry.objects.filter(reservation=self.reservation, account_id__in=self.account_ids)
-            .values("account_id", "period_start")
-            .annotate(i=Sum("input_consumed"), o=Sum("output_consumed"), s=Sum("spend_consumed"))
-        ):
-            if row["period_start"] == periods[row["account_id"]]:
-                posted[row["account_id"]] = (row["i"] or 0, row["o"] or 0, row["s"] or 0)
-        for account_id in self.account_ids:
-            done_in, done_out, done_spend = posted.get(account_id, (0, 0, 0))
-            in_consumed = max(input_consumed, -done_in) if input_consumed < 0 else input_consumed
-            out_consumed = max(output_consumed, -done_out) if output_consumed < 0 else output_consumed
-            sp_consumed = max(spend_consumed, -done_spend) if spend_consumed < 0 else spend_consumed
-            applied = (
-                input_reserved,
-                output_reserved,
-                in_consumed,
-                out_consumed,
-                in_flight,
-                spend_reserved,
-                sp_consumed,
-            )
-            if not any(applied):
-                continue
-            closed = (in_consumed, out_consumed, sp_consumed) != (
-                input_consumed,
-                output_consumed,
-                spend_consumed,
-            )
-            note = " (part of the decrease belongs to a closed period)" if closed else ""
-            self.moves.append(_Move(kind, (reason + note)[:300], {account_id: applied}))
+        if any(amounts):
+            self.moves.append(_Move(kind, reason[:300], amounts))
 
     def add_spend(self, kind: str, *, spend_reserved: int, spend_consumed: int, reason: str) -> None:
         """Money moved by the tokens of the last move: written in that move's entries when it is of the same
-        kind and moves every account alike (one entry says what the tokens and their money did), else as a
-        move of its own. ``spend_consumed`` is not negative (a decrease goes through ``move``)."""
+        kind (one entry says what the tokens and their money did), else as a move of its own."""
         last = self.moves[-1] if self.moves else None
-        alike = (
-            last is not None
-            and set(last.deltas) == set(self.account_ids)
-            and len(set(last.deltas.values())) == 1
-        )
-        if last is not None and last.kind == kind and alike:
-            for account_id, (ir, orr, ic, oc, fl, sr, sc) in last.deltas.items():
-                last.deltas[account_id] = (ir, orr, ic, oc, fl, sr + spend_reserved, sc + spend_consumed)
+        if last is not None and last.kind == kind:
+            ir, orr, ic, oc, fl, sr, sc = last.amounts
+            last.amounts = (ir, orr, ic, oc, fl, sr + spend_reserved, sc + spend_consumed)
             return
         self.move(kind, spend_reserved=spend_reserved, spend_consumed=spend_consumed, reason=reason)
 
@@ -149,33 +104,27 @@ class Postings:
         """A new row written by the same statement (a usage event, a top-up)."""
         self.inserts.append(row)
 
-    def flush(self, *, save: bool = True, within_limits: bool = False) -> set[int]:
-        """Write everything pending (and, with ``save``, the reservation's row) in one statement; return the
-        accounts whose balances moved. With ``within_limits`` a move is applied only where every limit still
-        holds after it; the caller rolls the transaction back when an account is missing."""
-        writes: list[tuple[str, list[Any]]] = []
-        if save:
-            _post_spend(self)
-            writes.append(update_sql(self.reservation))
-        writes.extend(insert_sql(row) for row in self.inserts)
+    def flush(self, *, within_limits: bool = False) -> set[int]:
+        """Write the reservation's row and everything pending in one statement; return the accounts whose
+        balances moved. With ``within_limits`` a move is applied only where every limit still holds after it;
+        the caller rolls the transaction back when an account is missing."""
+        _post_spend(self)
+        writes = [update_sql(self.reservation), *(insert_sql(row) for row in self.inserts)]
         moves = [
-            (order, account_id, move.kind, move.reason, *amounts)
+            (order, account_id, move.kind, move.reason, *move.amounts)
             for order, move in enumerate(self.moves)
-            for account_id, amounts in sorted(move.deltas.items())
+            for account_id in sorted(self.account_ids)
         ]
         self.moves, self.inserts = [], []
-        if not writes and not moves:
-            return set()
         moved = statements.move_balances(
             writes,
             moves,
             self.reservation.pk,
             checked=within_limits,
             currency=self.reservation.currency,
-            unchanged_since=self.unchanged_since if save else None,
+            unchanged_since=self.unchanged_since,
         )
-        if save:
-            written(self.reservation)
+        written(self.reservation)
         return moved
 
 
@@ -378,7 +327,9 @@ def _post_spend(posts: Postings) -> None:
         back = from_captured if reservation.settled_at is None else 0
         reservation.spend_remaining += back
         reservation.spend_released += from_captured - back
-        posts.move(EntryKind.CORRECTION, spend_reserved=back, spend_consumed=delta, reason="spend corrected")
+        posts.add_spend(
+            EntryKind.CORRECTION, spend_reserved=back, spend_consumed=delta, reason="spend corrected"
+        )
 
 
 def hold_new_reservation(

@@ -11,7 +11,8 @@ import pytest
 from django.db import connection
 
 from budgeting.admission.models import Answer, Manifest
-from ledger.models import LedgerEntry, Reservation, State
+from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
+from ledger.selectors import audit
 from tests.api.test_admissions import request_body
 from tests.dbwork import DbWork, count_db_work, second_connection
 
@@ -80,8 +81,8 @@ def test_each_lifecycle_call_is_one_transaction_and_few_statements(demo_api):
         ("dispatch", {"fence": 1, "providerRequestId": f"p-{rid}", "admittedDigest": body["admittedDigest"]}),
         ("top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10}),
         ("usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False}),
-        # The provider's input count is ours (exact counting): no correction. A downward correction or refund
-        # costs two statements more (what was posted in the account's period is read first).
+        # The provider's input count is ours (exact counting): no correction (a downward one is the same one
+        # statement: test_cancel_fail_and_a_final_usage_below_the_admitted_input_are_one_statement_write).
         (
             "usage",
             {
@@ -110,16 +111,74 @@ def test_each_lifecycle_call_is_one_transaction_and_few_statements(demo_api):
     assert LedgerEntry.objects.filter(reservation_id=rid).exists()
 
 
-def test_cancel_and_fail_are_one_statement_write_each(demo_api):
+FAILED = {"fence": 1, "reason": "connection refused", "requestSent": False}
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "action", "payload"),
+    [
+        (None, "cancel", {"fence": 1}),
+        (None, "fail", FAILED),
+        # Proof of non-processing after the dispatch call (the lifecycle bench's fail), and after an admission
+        # that recorded the dispatch (what the LiteLLM hook sends when the provider refused the connection):
+        # the input refund, capped per account at what the reservation posted in its period, in the statement.
+        ("call", "fail", FAILED),
+        ("admission", "fail", FAILED),
+        ("call", "fail", {"fence": 1, "reason": "reset", "requestSent": "unknown"}),
+        # With the usage a stream delivered: no look-up of its event id first (its unique index answers).
+        (
+            "call",
+            "fail",
+            {
+                "fence": 1,
+                "reason": "500",
+                "requestSent": True,
+                "usage": {"usageEventId": "u", "outputTokens": 7},
+            },
+        ),
+        # The provider counted less input than was admitted: the downward correction is capped the same way.
+        (
+            "call",
+            "usage",
+            {"fence": 1, "usageEventId": "f", "outputTokens": 5, "inputTokens": -10, "final": True},
+        ),
+    ],
+    ids=[
+        "cancel",
+        "fail-reserved",
+        "fail-unsent",
+        "fail-unsent-hook",
+        "fail-unknown",
+        "fail-usage",
+        "final-below",
+    ],
+)
+def test_cancel_fail_and_a_final_usage_below_the_admitted_input_are_one_statement_write(
+    demo_api, dispatch, action, payload
+):
     admit(demo_api, 0)
-    for n, (action, payload) in enumerate(
-        [("cancel", {"fence": 1}), ("fail", {"fence": 1, "reason": "timeout", "requestSent": False})], start=1
-    ):
-        body, _ = admit(demo_api, n)
-        work = lifecycle_work(demo_api, f"/api/v1/reservations/{body['reservationId']}/{action}", payload)
-        assert len(work.statements) <= MAX_LIFECYCLE_STATEMENTS, f"{action}: {work.summary()}"
-        assert one_statement_write(work), f"{action}: {work.summary()}"
-        assert reads_no_stored_document(work), f"{action}: {work.summary()}"
+    extra = {"dispatch": {"providerRequestId": "p-at-admission"}} if dispatch == "admission" else {}
+    res = demo_api.post(
+        "/api/v1/admissions",
+        request_body(requestId="cost-1", **extra),
+        format="json",
+        HTTP_IDEMPOTENCY_KEY="c1",
+    )
+    assert res.status_code == 201, res.content[:300]
+    body = res.json()
+    base = f"/api/v1/reservations/{body['reservationId']}"
+    if dispatch == "call":
+        sent = {"fence": 1, "providerRequestId": "p-1", "admittedDigest": body["admittedDigest"]}
+        lifecycle_work(demo_api, f"{base}/dispatch", sent)
+    if "inputTokens" in payload:
+        payload = {**payload, "inputTokens": body["tokens"]["input"] + payload["inputTokens"]}
+    work = lifecycle_work(demo_api, f"{base}/{action}", payload)
+    assert len(work.statements) <= MAX_LIFECYCLE_STATEMENTS, f"{action}: {work.summary()}"
+    assert one_statement_write(work), f"{action}: {work.summary()}"
+    assert reads_no_stored_document(work), f"{action}: {work.summary()}"
+    reservation = Reservation.objects.get(pk=body["reservationId"])
+    assert reservation.state in {State.SETTLED, State.PARTIALLY_SETTLED}
+    assert audit(reservation_ids=[reservation.pk]).ok
 
 
 def test_the_prepared_reserving_statement_survives_a_failed_execution(demo_api):
@@ -228,3 +287,24 @@ def test_each_hot_statement_runs_on_one_cursor_kept_for_it_on_its_connection(dem
     admit(demo_api, 4)
     assert len(ran) == 2 and not {id(c) for c in ran.values()} & {id(version_read), id(reserving)}
     assert all(cursor.connection is connection.connection for cursor in ran.values())
+
+
+def test_an_admission_short_of_capacity_reads_the_short_account_once(demo_api):
+    """An admission short of capacity (queued here; refused where the task class does not queue) is a call
+    the gateway pays for too, and a burst at a limit is mostly those: its reason is built from one read of
+    the short account with its tenant, task class and pool, not one query each (fails on the code before)."""
+    admit(demo_api, 0)  # warms the process
+    CapacityAccount.objects.filter(scope="TENANT_TASK").update(input_limit=1)
+    body = request_body(requestId="cost-refused")
+    with count_db_work() as work:
+        res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="cost-refused")
+    assert res.status_code == 202, res.content[:300]
+    assert "input needs" in res.json()["reason"], res.json()
+    account_reads = [
+        sql for sql in work.statements if "ledger_capacityaccount" in sql and "SELECT" in sql[:10]
+    ]
+    assert len(account_reads) == 1, work.summary()
+    assert not any(
+        sql.startswith(('SELECT "budgeting_tenant"', 'SELECT "budgeting_taskclass"'))
+        for sql in work.statements
+    ), work.summary()

@@ -18,6 +18,22 @@ def test_counts_are_written_to_redis_with_their_expiry(redis_db: Any) -> None:
     assert 0 < redis_db.ttl("tc:test:b") <= 120
 
 
+def test_a_write_waits_for_no_reply_and_leaves_none_pending(redis_db: Any) -> None:
+    # One connection. A reply the write left unread would be the answer to the next command on it, or, once
+    # it has arrived, make redis-py drop the connection for a new one (another client id): either fails here.
+    pool = redis.ConnectionPool(max_connections=1, **redis_db.connection_pool.connection_kwargs)
+    client: Any = redis.Redis(connection_pool=pool)
+    cache = RedisCountCache(client, ttl_seconds=60)
+    connection_id = client.client_id()
+    for n in range(3):
+        cache.set_many({"tc:test:a": n, "tc:test:b": n + 1})
+        assert client.echo(f"after write {n}") == f"after write {n}".encode()
+        assert cache.get_many(["tc:test:a", "tc:test:b"]) == [n, n + 1]
+        assert 0 < client.ttl("tc:test:a") <= 60
+        assert client.client_id() == connection_id
+    pool.disconnect()
+
+
 def test_a_move_of_the_active_policy_drops_both_local_layers() -> None:
     # Never connected: only the local layers are used here.
     layered = LayeredCountCache(RedisCountCache(redis.Redis(port=1), ttl_seconds=1), 100, 1_000)

@@ -1,5 +1,5 @@
 """The LiteLLM integration needs no Django: all of ``tokenbudget_litellm`` but the hook and its transport
-imports with the standard library only, and what those miss there is LiteLLM's (FastAPI, httpx2)."""
+imports with the standard library only, and what those miss there is LiteLLM's (FastAPI, aiohttp)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,6 @@ def test_only_the_hook_needs_more_than_the_standard_library() -> None:
 
     assert result.returncode == 0, result.stderr
     transport, hook = result.stdout.split()
-    assert transport == "httpx2" and hook in {"fastapi", "litellm", "httpx2"}
+    assert transport == "aiohttp" and hook in {"fastapi", "litellm", "aiohttp"}
     modules = {path.stem for path in (GATEWAY / "tokenbudget_litellm").glob("[!_]*.py")}
     assert modules == {"settings", "mapping", "calls", "transport", "hook"}, "a new module: add it above"

@@ -266,6 +266,39 @@ def test_failure_without_proof_keeps_everything_held(setup, sent):
     assert balances(t) == (0, 46, 100, 4, 1), "unknown is never released as zero"
 
 
+def fail_with_usage(cat: Any, r: Reservation, event: str, out: int) -> Reservation:
+    return lifecycle.fail(
+        reservation_id=r.pk,
+        tenant_ids=_tids(cat),
+        fence=1,
+        reason="stream broke",
+        request_sent=lifecycle.RequestSent.YES,
+        usage=lifecycle.Usage(event, out, None, False),
+        now=now(),
+    )
+
+
+def test_a_failure_repeating_a_recorded_usage_event_settles_without_capturing_it_again(setup):
+    cat, t, _ = setup
+    r, _ = usage(cat, dispatched(cat), "e1", 4)
+    r = fail_with_usage(cat, r, "e1", 4)
+    assert r.state == State.PARTIALLY_SETTLED
+    assert (r.captured, r.remaining, r.usage_events.count()) == (4, 46, 1)
+    assert balances(t) == (0, 46, 100, 4, 1)
+    assert audit().ok
+
+
+def test_a_failure_with_a_usage_event_recorded_with_other_amounts_is_a_conflict_and_writes_nothing(setup):
+    cat, t, _ = setup
+    r, _ = usage(cat, dispatched(cat), "e1", 4)
+    with pytest.raises(UsageEventConflict) as err:
+        fail_with_usage(cat, r, "e1", 9)
+    assert err.value.extra["recorded"] == {"outputTokens": 4, "inputTokens": None}
+    r.refresh_from_db()
+    assert (r.state, r.captured) == (State.RUNNING, 4)
+    assert balances(t) == (0, 46, 100, 4, 1)
+
+
 def test_failure_before_dispatch_releases(setup):
     cat, t, _ = setup
     r = reserved(cat)

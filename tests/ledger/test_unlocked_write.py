@@ -240,3 +240,83 @@ def test_a_refused_top_up_inside_a_test_transaction_answers_quota_exceeded(cat):
             now=now(),
         )
     assert Reservation.objects.get(pk=r.pk).top_ups == 0
+
+
+def fail_unsent(r: Reservation, cat: Any) -> Callable[[], Reservation]:
+    """A failure with proof of non-processing: its input refund is capped in the one statement (what the
+    reservation posted in each account's period is read there), so it takes the unlocked path too."""
+    return lambda: lifecycle.fail(
+        reservation_id=r.pk,
+        tenant_ids=[cat.tenant.pk],
+        fence=1,
+        reason="connection refused",
+        request_sent=lifecycle.RequestSent.NO,
+        usage=None,
+        now=now(),
+    )
+
+
+def test_a_refund_on_an_unchanged_row_takes_the_unlocked_path_only(monkeypatch, cat):
+    r = dispatch(admit(spec(cat)).reservation, cat)()
+    reads: list[str] = []
+    read, lock = locks.read_reservation, locks.lock_reservation
+    monkeypatch.setattr(locks, "read_reservation", lambda *a: reads.append("read") or read(*a))
+    monkeypatch.setattr(locks, "lock_reservation", lambda *a: reads.append("lock") or lock(*a))
+    done = fail_unsent(r, cat)()
+    assert reads == ["read"]
+    assert (done.state, done.input_consumed) == (State.SETTLED, 0)
+    tenant = CapacityAccount.objects.get(tenant=cat.tenant)
+    assert (tenant.input_reserved, tenant.input_consumed, tenant.in_flight) == (0, 0, 0)
+    assert audit().ok
+
+
+def test_a_reclaim_between_the_read_and_the_refund_makes_the_call_stale(monkeypatch, cat):
+    r = dispatch(admit(spec(cat)).reservation, cat)()
+    reads = between_read_and_write(
+        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
+    )
+    with pytest.raises(StaleFence):
+        fail_unsent(r, cat)()
+    assert reads == [0, 1]
+    row = Reservation.objects.get(pk=r.pk)
+    assert (row.state, row.fence, row.input_consumed) == (State.DISPATCHED, 2, r.input_reserved)
+    assert CapacityAccount.objects.get(tenant=cat.tenant).input_consumed == r.input_reserved
+    assert not LedgerEntry.objects.filter(reservation=r, kind="CORRECTION").exists()
+    assert audit().ok
+
+
+def test_without_the_version_condition_the_stale_refund_would_be_written(monkeypatch, cat):
+    """The negative control: the same race with the version condition left out refunds a reservation whose
+    fence is no longer the caller's."""
+    r = dispatch(admit(spec(cat)).reservation, cat)()
+    between_read_and_write(
+        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
+    )
+    unguarded = postings.Postings.__init__
+
+    def without_version(self: postings.Postings, *args: Any, **kwargs: Any) -> None:
+        unguarded(self, *args, **{**kwargs, "unchanged_since": None})
+
+    monkeypatch.setattr(postings.Postings, "__init__", without_version)
+    fail_unsent(r, cat)()
+    row = Reservation.objects.get(pk=r.pk)
+    assert (row.state, row.fence, row.input_consumed) == (State.SETTLED, 2, 0)
+
+
+def test_a_renewal_between_the_read_and_the_refund_is_kept_and_the_refund_made_once(monkeypatch, cat):
+    r = dispatch(admit(spec(cat)).reservation, cat)()
+    reads = between_read_and_write(
+        monkeypatch,
+        "UPDATE ledger_reservation SET lease_expires_at = now() + interval '1 hour' WHERE id = %s",
+        (r.pk,),
+    )
+    done = fail_unsent(r, cat)()
+    assert reads == [0, 1]
+    row = Reservation.objects.get(pk=r.pk)
+    assert done.state == row.state == State.SETTLED
+    assert row.lease_expires_at is not None and row.lease_expires_at > r.lease_expires_at
+    tenant = CapacityAccount.objects.get(tenant=cat.tenant)
+    assert (tenant.input_reserved, tenant.input_consumed) == (0, 0)
+    refunds = LedgerEntry.objects.filter(reservation=r, kind="CORRECTION", account=tenant)
+    assert list(refunds.values_list("input_consumed", flat=True)) == [-r.input_reserved]
+    assert audit().ok

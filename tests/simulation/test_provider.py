@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -716,3 +717,31 @@ def test_compare_never_matches_a_request_still_running(sim: Simulator) -> None:
         assert [m.request_id for m in comparison.mismatches] == ["prq-running"], "its bill is not final"
     finally:
         worker.join()
+
+
+# -- the wire ----------------------------------------------------------------------------------------------
+
+
+def _nodelay_of_open_connections(server: Any) -> list[int]:
+    with server._connections_lock:
+        return [c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in server._connections]
+
+
+def test_the_simulator_sends_its_answers_without_waiting_for_the_clients_ack(sim: Simulator) -> None:
+    """With Nagle's algorithm on, an answer's body (written after its headers) waited for the client's
+    delayed ACK, ~40 ms, so every zero-delay call through the simulator took ~50 ms: no real provider
+    does that, and it hid what a gateway adds to a call. The check reads the server side of a kept-alive
+    connection; a socket accepted without the handler's setup (the negative control) has Nagle on."""
+    connection, response = raw_post(sim, {"model": "sim-large", "messages": MESSAGES, "max_tokens": 5})
+    try:
+        response.read()
+        assert _nodelay_of_open_connections(sim._server) == [1]
+    finally:
+        connection.close()
+
+    # The negative control: a socket accepted as socketserver accepts it, without the handler's setup.
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.create_connection(listener.getsockname()[:2]):
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
