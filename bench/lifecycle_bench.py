@@ -1,7 +1,7 @@
 """What every call of the protocol costs, not only the admission (issue 22 §2), each figure with its baseline.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
-        .venv/bin/python bench/lifecycle_bench.py [--cycles 60] [--seconds 6] [--reuse-large]
+        .venv/bin/python bench/lifecycle_bench.py [--cycles 60] [--seconds 6] [--reuse-large] [--blocks 30]
 
 Two databases, each created, migrated and provisioned with the demo here: ``<name>_bench`` with 10,000
 settled reservations and 50,000 ledger entries on the hot tenant, and ``<name>_bench_large`` with 1,000,000
@@ -14,8 +14,14 @@ large database an earlier run built). One gunicorn serves each, as ``./platform 
   - the same p50s with the large database against the small one (flat in data: ≤ 1.2);
   - admit + release (cancel) pairs/s over HTTP with 8 clients against the raw psycopg transactions of the
     same shape (the reservation with its holds and entries, then the release of it), in two alternated rounds;
-  - EXPLAIN of every statement a lifecycle call and the admission run, on the large database (in-process): a
-    sequential scan of a table that grows with traffic is reported.
+  - EXPLAIN (ANALYZE, BUFFERS) of every statement a lifecycle call and the admission run, on both databases
+    (in-process, ``--explain`` cycles, each statement's copy rolled back just before it runs): its median
+    execution time, small and large, and its scans (a sequential scan of a table that grows with traffic is
+    reported);
+  - the pages each call touches and reads outside shared buffers, on both databases (in-process, ``--blocks``
+    cycles, from PostgreSQL's statistics of the database's own tables and indexes): a count that a shared,
+    loaded machine does not blur as it blurs a 1.2x in time. A read is a page the call found in no buffer —
+    a system call, and the eviction of another page (written out first when dirty).
 The audit of the small database must be clean at the end.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import re
 import statistics
@@ -259,11 +266,10 @@ def http_pairs(base: str, seconds: float) -> float:
     return run_clients(seconds, call)["admissions_per_s"]
 
 
-def explain(url: str) -> list[str]:
-    """EXPLAIN every statement of an admission and of each lifecycle call, run in a child process on ``url``;
-    returns one line per statement: its first words, and its scans."""
+def child(url: str, *args: str) -> list[str]:
+    """Run this file with ``args`` in a child process on ``url`` (in-process Django); returns its lines."""
     result = subprocess.run(
-        [sys.executable, __file__, "--explain-only"],
+        [sys.executable, __file__, *args],
         env={**os.environ, "DATABASE_URL": url},
         cwd=ROOT,
         capture_output=True,
@@ -275,9 +281,23 @@ def explain(url: str) -> list[str]:
     return result.stdout.splitlines()
 
 
-def explain_here() -> None:
-    """In this process (Django set up on DATABASE_URL): run one cycle through Django's test client, keep
-    every statement with its parameters, and print each one's plan's scans."""
+def explain(url: str, cycles: int) -> dict[str, list[Any]]:
+    """Per statement of an admission and of each lifecycle call on ``url``: its plan's scans and its median
+    execution time in ms (``explain_here``)."""
+    return dict(json.loads(child(url, "--explain-only", str(cycles))[-1]))
+
+
+def blocks(url: str, cycles: int) -> dict[str, list[float]]:
+    """Per call, the mean pages touched and read outside shared buffers on ``url`` (``blocks_here``)."""
+    return dict(json.loads(child(url, "--blocks-only", str(cycles))[-1]))
+
+
+Post = Callable[..., dict[str, Any]]
+
+
+def in_process() -> tuple[Any, Post, list[str]]:
+    """Django set up on DATABASE_URL in this process: its connection, a ``post(name, path, body, key)``
+    through Django's test client, and the name of the call being made (``current[0]``)."""
     import django
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
@@ -287,13 +307,7 @@ def explain_here() -> None:
     from django.test import Client as DjangoClient
 
     client = DjangoClient(HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
-    seen: list[tuple[str, str, Any]] = []
     current = ["?"]
-
-    def keep(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
-        if not many and sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "WITH", "DELETE")):
-            seen.append((current[0], sql, params))
-        return execute(sql, params, many, context)
 
     def post(name: str, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
         current[0] = name
@@ -304,40 +318,101 @@ def explain_here() -> None:
         assert res.status_code in (200, 201), res.content[:300]
         return dict(res.json())
 
+    return connection, post, current
+
+
+def in_process_cycle(post: Post, tag: str) -> None:
+    """An admission and each lifecycle call once, then a second admission, cancelled, and a third, dispatched
+    and failed."""
+    admitted = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag}, tag)
+    base = f"/api/v1/reservations/{admitted['reservationId']}"
+    post("lease", f"{base}/lease", {"fence": 1})
+    post("top-up", f"{base}/top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10})
+    dispatch = {"fence": 1, "providerRequestId": f"p-{tag}", "admittedDigest": admitted["admittedDigest"]}
+    post("dispatch", f"{base}/dispatch", dispatch)
+    post("usage", f"{base}/usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False})
+    post("usage-final", f"{base}/usage", {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True})
+    other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
+    post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
+    # The refund's statement reads what the reservation posted into each account's period.
+    failed = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "f"}, tag + "f")
+    base = f"/api/v1/reservations/{failed['reservationId']}"
+    dispatch = {"fence": 1, "providerRequestId": f"pf-{tag}", "admittedDigest": failed["admittedDigest"]}
+    post("dispatch", f"{base}/dispatch", dispatch)
+    post("fail", f"{base}/fail", {"fence": 1, "reason": "connection refused", "requestSent": False})
+
+
+def explain_here(cycles: int) -> None:
+    """In this process (Django set up on DATABASE_URL): run ``cycles`` cycles through Django's test client,
+    and before every statement runs, EXPLAIN (ANALYZE, BUFFERS) it in a transaction (or savepoint) rolled
+    back. Prints one JSON object: per statement (its call and first words), its plan's scans and the median
+    of its execution times."""
+    connection, post, current = in_process()
+    scans: dict[str, list[str]] = {}
+    times: dict[str, list[float]] = {}
+
+    def keep(execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any) -> Any:
+        if not many and sql.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "WITH", "DELETE")):
+            raw = connection.connection
+            with raw.transaction(force_rollback=True):
+                plan = [row[0] for row in raw.execute(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params)]
+            key = f"{current[0]:12} {' '.join(sql.split()[:3])[:40]:40}"
+            nodes = {re.sub(r"^\s*(->\s*)?", "", line).split("  (")[0] for line in plan if "Scan " in line}
+            scans.setdefault(key, sorted(nodes))
+            elapsed = next(line for line in plan if line.startswith("Execution Time"))
+            times.setdefault(key, []).append(float(elapsed.split()[2]))
+        return execute(sql, params, many, context)
+
     warm = f"explain-warm-{time.time_ns()}"
     post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": warm}, warm)
-    tag = f"explain-{time.time_ns()}"
     with connection.execute_wrapper(keep):
-        admitted = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag}, tag)
-        base = f"/api/v1/reservations/{admitted['reservationId']}"
-        post("lease", f"{base}/lease", {"fence": 1})
-        post("top-up", f"{base}/top-up", {"fence": 1, "topUpId": "t1", "outputTokens": 10})
-        dispatch = {"fence": 1, "providerRequestId": f"p-{tag}", "admittedDigest": admitted["admittedDigest"]}
-        post("dispatch", f"{base}/dispatch", dispatch)
-        post("usage", f"{base}/usage", {"fence": 1, "usageEventId": "u1", "outputTokens": 5, "final": False})
-        post(
-            "usage-final",
-            f"{base}/usage",
-            {"fence": 1, "usageEventId": "u2", "outputTokens": 5, "final": True},
-        )
-        other = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "c"}, tag + "c")
-        post("cancel", f"/api/v1/reservations/{other['reservationId']}/cancel", {"fence": 1})
-        # The refund's statement reads what the reservation posted into each account's period.
-        failed = post("admit", "/api/v1/admissions", {**HOT_BODY, "requestId": tag + "f"}, tag + "f")
-        base = f"/api/v1/reservations/{failed['reservationId']}"
-        dispatch = {"fence": 1, "providerRequestId": f"pf-{tag}", "admittedDigest": failed["admittedDigest"]}
-        post("dispatch", f"{base}/dispatch", dispatch)
-        post("fail", f"{base}/fail", {"fence": 1, "reason": "connection refused", "requestSent": False})
-    with connection.cursor() as cursor:
-        for name, sql, params in seen:
-            cursor.execute(f"EXPLAIN {sql}", params)
-            plan = [row[0] for row in cursor.fetchall()]
-            scans = sorted(
-                {re.sub(r"^\s*(->\s*)?", "", line).split("  (")[0] for line in plan if "Scan " in line}
-            )
-            seq = [s for s in scans if s.startswith("Seq Scan") and any(f" {t} " in f"{s} " for t in GROWING)]
-            words = " ".join(sql.split()[:3])[:40]
-            print(f"{name:12} {words:40} {'SEQ SCAN OF A GROWING TABLE ' if seq else ''}{'; '.join(scans)}")
+        for n in range(cycles):
+            in_process_cycle(post, f"explain-{time.time_ns()}-{n}")
+    print(json.dumps({key: [scans[key], statistics.median(times[key])] for key in scans}))
+
+
+# The pages of this database's tables and indexes a call found in shared buffers (hit) and had to read
+# (read: from the OS, evicting another page, written out first when dirty), as PostgreSQL counts them.
+BLOCKS = """
+SELECT sum(heap_blks_hit + idx_blks_hit + coalesce(toast_blks_hit, 0) + coalesce(tidx_blks_hit, 0)),
+       sum(heap_blks_read + idx_blks_read + coalesce(toast_blks_read, 0) + coalesce(tidx_blks_read, 0))
+  FROM pg_statio_user_tables
+"""
+
+
+def blocks_here(cycles: int) -> None:
+    """In this process: ``cycles`` in-process cycles after five to warm up; prints, as one JSON object, the
+    mean pages each call touched and read outside shared buffers (its backend's statistics flushed after
+    each call)."""
+    connection, post, _ = in_process()
+
+    def counted() -> tuple[int, int]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_force_next_flush()")  # flushed once this statement's xact ends
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(BLOCKS)
+            hit, read = cursor.fetchone()
+        return int(hit), int(read)
+
+    touched: dict[str, list[int]] = {}
+    read: dict[str, list[int]] = {}
+
+    def measured(name: str, path: str, body: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+        before = counted()
+        answer = post(name, path, body, key)
+        after = counted()
+        touched.setdefault(name, []).append(after[0] + after[1] - before[0] - before[1])
+        read.setdefault(name, []).append(after[1] - before[1])
+        return answer
+
+    run = time.time_ns()
+    for n in range(5):
+        in_process_cycle(post, f"blocks-warm-{run}-{n}")
+    for n in range(cycles):
+        in_process_cycle(measured, f"blocks-{run}-{n}")
+    mean = statistics.mean
+    print(json.dumps({name: [mean(touched[name]), mean(read[name])] for name in touched}))
 
 
 # As ``admission_bench.hot_shape`` lifts them on the small database: a failed call keeps its slot held.
@@ -357,10 +432,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--reuse-large", action="store_true")
     parser.add_argument("--scale", type=float, default=1.0, help="of the large database (a quick look: 0.05)")
-    parser.add_argument("--explain-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=30, help="in-process cycles counting pages")
+    parser.add_argument("--explain", type=int, default=10, help="in-process cycles explained (ANALYZE)")
+    parser.add_argument("--explain-only", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--blocks-only", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.explain_only:
-        explain_here()
+        explain_here(args.explain_only)
+        return
+    if args.blocks_only:
+        blocks_here(args.blocks_only)
         return
     small_url, large_url = database(""), database("_large")
     large = (int(LARGE[0] * args.scale), int(LARGE[1] * args.scale))
@@ -386,7 +467,8 @@ def main() -> None:
     account_ids, tenant_id, refs = admission_bench.hot_shape()  # limits lifted: throughput is measured
     with psycopg.connect(large_url, autocommit=True) as conn:
         conn.execute(LIFT_LIMITS)
-    plans = explain(large_url)
+    plans = {name: explain(url, args.explain) for name, url in (("small", small_url), ("large", large_url))}
+    pages = {name: blocks(url, args.blocks) for name, url in (("small", small_url), ("large", large_url))}
     # Again after the EXPLAIN run, which made the accounts that did not exist yet (made on first use).
     with psycopg.connect(large_url, autocommit=True) as conn:
         conn.execute(LIFT_LIMITS)
@@ -429,9 +511,25 @@ def main() -> None:
         f"admit + release, {CLIENTS} clients: HTTP {http:.1f} pairs/s ÷ raw psycopg {raw:.1f} pairs/s = "
         f"{http / raw:.2f}  goal ≥ 0.5"
     )
-    print("EXPLAIN on the large database (scans of each statement):")
-    for line in plans:
-        print("  " + line)
+    print(
+        f"EXPLAIN (ANALYZE, BUFFERS) of every statement, in-process, each rolled back just before it ran: "
+        f"median execution ms of {args.explain} cycles, small and large, and the scans on the large database"
+    )
+    for key, (scans, large_ms) in plans["large"].items():
+        small_ms = plans["small"].get(key, [[], math.nan])[1]
+        seq = [s for s in scans if s.startswith("Seq Scan") and any(f" {t} " in f"{s} " for t in GROWING)]
+        print(
+            f"  {key} {small_ms:7.3f} {large_ms:7.3f} {large_ms / small_ms:5.2f}  "
+            f"{'SEQ SCAN OF A GROWING TABLE ' if seq else ''}{'; '.join(scans)}"
+        )
+    print(
+        f"pages per call, in-process (mean of {args.blocks} cycles): touched and read outside shared buffers"
+        " (PostgreSQL's statistics of each database's tables and indexes)"
+    )
+    print(f"{'call':12} {'touched small':>14} {'large':>8} {'read small':>11} {'large':>8}")
+    for call, (touched, read) in pages["small"].items():
+        big_touched, big_read = pages["large"][call]
+        print(f"{call:12} {touched:14.1f} {big_touched:8.1f} {read:11.2f} {big_read:8.2f}")
     audited = "clean" if report.ok else report.violations + report.leaks
     print(f"audit of the small database after the run: {audited}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
@@ -26,6 +27,8 @@ def redis_client() -> redis.Redis:
 # While Redis is unreachable the cache is skipped for this long, so admissions do not each wait on a timeout.
 SKIP_AFTER_FAILURE_SECONDS = 5.0
 _skip_until = 0.0
+# Whether a write may skip its reply (RedisCountCache.set_many); off for good once a read was out of step.
+_reply_skip = True
 
 
 def _redis_failed(exc: redis.RedisError) -> None:
@@ -52,14 +55,24 @@ class RedisCountCache:
         self.ttl = ttl_seconds or settings.COUNT_CACHE_TTL_SECONDS
 
     def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        """The counts of ``keys`` (``None`` for a miss). The MGET is followed, in the same round trip, by an
+        ECHO of a value never sent before: a reply left unread on the connection (a server that ignored a
+        write's CLIENT REPLY SKIP, see ``set_many``) would shift the answers, and the ECHO's would not be
+        that value. Such a read is a failure, never a count: the pool's connections are dropped and the
+        writes of this process wait for their replies from then on."""
+        global _reply_skip
         if not keys or time.monotonic() < _skip_until:
             return [None] * len(keys)
+        nonce = uuid.uuid4().hex
         try:
-            values = cast(list[bytes | None], self.client.mget(list(keys)))
-            # A server that ignored a write's CLIENT REPLY SKIP (see set_many) would leave its reply to be
-            # read as this one: out of step, it is a failure like any other, never a count.
-            if not isinstance(values, list) or len(values) != len(keys):
-                raise redis.ResponseError("count cache: the reply is not the answer to this MGET")
+            pipe = self.client.pipeline(transaction=False)
+            pipe.mget(list(keys))
+            pipe.echo(nonce)
+            values, echoed = pipe.execute()
+            if echoed != nonce.encode() or not isinstance(values, list) or len(values) != len(keys):
+                _reply_skip = False
+                self.client.connection_pool.disconnect()
+                raise redis.ResponseError("count cache: a reply was out of step; writes now wait for theirs")
         except redis.RedisError as exc:
             _redis_failed(exc)
             return [None] * len(keys)
@@ -76,12 +89,19 @@ class RedisCountCache:
         in order, so what this process asks next on it sees the write. The body is sent (EVAL), not its
         digest: a skipped reply could not say that Redis no longer knows the script, and Redis keeps the
         compiled body. A refused write (Redis out of memory) goes unseen; a connection that fails does not,
-        and Redis is skipped for a while, as after a failed read.
+        and Redis is skipped for a while, as after a failed read. Once a read found a reply out of step
+        (``get_many``), the writes wait for their replies.
         """
         if not mapping or time.monotonic() < _skip_until:
             return
         keys = list(mapping)
         write = ("EVAL", self.SET_WITH_EXPIRY, len(keys), *keys, *mapping.values(), self.ttl)
+        if not _reply_skip:
+            try:
+                self.client.execute_command(*write)
+            except redis.RedisError as exc:
+                _redis_failed(exc)
+            return
         pool = self.client.connection_pool
         try:
             connection = pool.get_connection()

@@ -19,7 +19,7 @@ from budgeting.db.cursor import db_now as read_db_now
 from budgeting.db.rows import RecordInsert
 from ledger import locks
 from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, QuotaExceeded
-from ledger.models import CapacityAccount, Reservation, State
+from ledger.models import CapacityAccount, Reservation, State, new_reservation_id
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
 from ledger.services.postings import hold_new_reservation, hold_queued_reservation
 from ledger.services.retries import with_retries
@@ -90,7 +90,7 @@ def _new_reservation(
             spend_remaining=held,
         )
     return Reservation(
-        id=uuid.uuid4(),
+        id=new_reservation_id(),
         tenant=spec.tenant,
         task_class=spec.task_class,
         model_pool=spec.pool,

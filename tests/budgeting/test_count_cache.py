@@ -51,3 +51,42 @@ def test_a_move_of_the_active_policy_drops_both_local_layers() -> None:
     remember()
     layered.forget_local()
     assert len(layered.texts) == 0 and not layered.local
+
+
+def test_a_reply_left_on_the_connection_is_never_read_as_counts(redis_db: Any, monkeypatch: Any) -> None:
+    """A server that ignored CLIENT REPLY SKIP would leave a write's reply to be read as the next command's.
+    Planted here, on the pool's one connection: a command sent and not read whose reply, two values, comes
+    0.1 s later (redis-py drops a connection whose reply has already arrived, not one still on its way). A
+    plain MGET (the negative control) returns those two values as if they were ours; the cache's read sees
+    the shift, answers misses, drops the connection and makes later writes wait for their replies."""
+    from budgeting.admission import count_cache
+
+    monkeypatch.setattr(count_cache, "_reply_skip", True)
+    monkeypatch.setattr(count_cache, "_skip_until", 0.0)
+    pool = redis.ConnectionPool(max_connections=1, **redis_db.connection_pool.connection_kwargs)
+    client: Any = redis.Redis(connection_pool=pool)
+    client.mset({"tc:test:a": 1, "tc:test:b": 2})
+    late_reply = (
+        "local s = redis.call('TIME') local t repeat t = redis.call('TIME') "
+        "until (t[1] - s[1]) * 1000000 + t[2] - s[2] > 100000 return {'7', '9'}"
+    )
+
+    def plant() -> None:
+        connection = pool.get_connection()
+        connection.send_command("EVAL", late_reply, 0)
+        pool.release(connection)
+
+    plant()
+    assert client.mget(["tc:test:a", "tc:test:b"]) == [b"7", b"9"]  # the negative control: read as ours
+    pool.disconnect()
+
+    cache = RedisCountCache(client, ttl_seconds=60)
+    plant()
+    assert cache.get_many(["tc:test:a", "tc:test:b"]) == [None, None]
+    assert count_cache._reply_skip is False
+    monkeypatch.setattr(count_cache, "_skip_until", 0.0)
+    assert cache.get_many(["tc:test:a", "tc:test:b"]) == [1, 2]  # a new connection, in step
+    cache.set_many({"tc:test:a": 5})  # waits for its reply: nothing is left pending
+    assert client.echo("next") == b"next"
+    assert cache.get_many(["tc:test:a"]) == [5]
+    pool.disconnect()
