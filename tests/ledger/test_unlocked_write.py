@@ -53,6 +53,20 @@ def between_read_and_write(monkeypatch, sql: str, params: tuple[Any, ...]) -> li
     return reads
 
 
+def reclaimed_between_read_and_write_unguarded(monkeypatch, r: Reservation) -> None:
+    """The negative controls' race: a reclaim (a higher fence) between the unlocked read and the write, with
+    the write's version condition left out."""
+    between_read_and_write(
+        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
+    )
+    unguarded = postings.Postings.__init__
+
+    def without_version(self: postings.Postings, *args: Any, **kwargs: Any) -> None:
+        unguarded(self, *args, **{**kwargs, "unchanged_since": None})
+
+    monkeypatch.setattr(postings.Postings, "__init__", without_version)
+
+
 def dispatch(r: Reservation, cat: Any) -> Callable[[], Reservation]:
     return lambda: lifecycle.dispatch(
         reservation_id=r.pk,
@@ -83,15 +97,7 @@ def test_without_the_version_condition_the_stale_read_would_be_written(monkeypat
     """The negative control: the same race with the write's version condition left out dispatches a
     reservation whose fence is no longer the caller's."""
     r = admit(spec(cat)).reservation
-    between_read_and_write(
-        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
-    )
-    unguarded = postings.Postings.__init__
-
-    def without_version(self: postings.Postings, *args: Any, **kwargs: Any) -> None:
-        unguarded(self, *args, **{**kwargs, "unchanged_since": None})
-
-    monkeypatch.setattr(postings.Postings, "__init__", without_version)
+    reclaimed_between_read_and_write_unguarded(monkeypatch, r)
     dispatch(r, cat)()
     row = Reservation.objects.get(pk=r.pk)
     assert (row.state, row.fence) == (State.DISPATCHED, 2)
@@ -289,15 +295,7 @@ def test_without_the_version_condition_the_stale_refund_would_be_written(monkeyp
     """The negative control: the same race with the version condition left out refunds a reservation whose
     fence is no longer the caller's."""
     r = dispatch(admit(spec(cat)).reservation, cat)()
-    between_read_and_write(
-        monkeypatch, "UPDATE ledger_reservation SET fence = fence + 1 WHERE id = %s", (r.pk,)
-    )
-    unguarded = postings.Postings.__init__
-
-    def without_version(self: postings.Postings, *args: Any, **kwargs: Any) -> None:
-        unguarded(self, *args, **{**kwargs, "unchanged_since": None})
-
-    monkeypatch.setattr(postings.Postings, "__init__", without_version)
+    reclaimed_between_read_and_write_unguarded(monkeypatch, r)
     fail_unsent(r, cat)()
     row = Reservation.objects.get(pk=r.pk)
     assert (row.state, row.fence, row.input_consumed) == (State.SETTLED, 2, 0)
