@@ -453,8 +453,8 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
         "output_col",
         "concurrency_col",
         "spend_col",
-        "starts_at",
-        "expires_at",
+        "starts_col",
+        "expires_col",
         "status",
         "created_by",
         "reason",
@@ -498,11 +498,19 @@ class TemporaryIncreaseAdmin(ReadOnlyAdmin[TemporaryIncrease]):
     def spend_col(self, obj: TemporaryIncrease) -> str:
         return signed_micro_money(obj.spend, obj.account.currency)
 
+    @admin.display(description="starts at", ordering="starts_at")
+    def starts_col(self, obj: TemporaryIncrease) -> str:
+        return f"{timezone.localtime(obj.starts_at):%Y-%m-%d %H:%M}"
+
+    @admin.display(description="expires at", ordering="expires_at")
+    def expires_col(self, obj: TemporaryIncrease) -> str:
+        return f"{timezone.localtime(obj.expires_at):%Y-%m-%d %H:%M}"
+
     @admin.display(description="status")
     def status(self, obj: TemporaryIncrease) -> str:
         if obj.ended_at is None:
             return "active" if obj.expires_at > timezone.now() else "due to end"
-        return f"ended {obj.ended_at:%Y-%m-%d %H:%M} ({obj.end_reason})"
+        return f"ended {timezone.localtime(obj.ended_at):%Y-%m-%d %H:%M} ({obj.end_reason})"
 
     def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         actions = super().get_actions(request)
