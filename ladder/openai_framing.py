@@ -26,6 +26,17 @@ of many short lines costs 4 tokens a line rendered and 3 bytes a line in JSON). 
 that renderer does (``tests/ladder/test_openai_bound.py`` compares it with openai-harmony's own output on
 generated tools), and ``OpenAITemplate`` bounds each item by the bytes of the longer of its two public
 renderings.
+
+A tool call and a tool result are messages of their own in that framing, the function's name in their
+headers (checked against openai-harmony's ``Message`` builders in the same tests)::
+
+    <|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>
+    <|start|>functions.{name} to=assistant<|channel|>commentary<|message|>{result}<|end|>
+
+The model itself writes the call's content type as ``<|constrain|>json`` (harmony's ``docs/format.md``), one
+special more, and may move the recipient into the channel (``commentary to=functions.{name}
+<|constrain|>json``): the same characters, cut elsewhere. ``call_text`` and ``result_header_text`` are the
+texts between the specials, concatenated.
 """
 
 from __future__ import annotations
@@ -40,6 +51,10 @@ TOOLS_CLOSE = "} // namespace functions"
 # A response format is a section of its own: its name (``output``, the name the payload gives it), then the
 # schema as compact JSON.
 RESPONSE_FORMAT_OPEN = "\n\n# Response Formats\n\n## output\n\n"
+# The specials of a call message (``<|constrain|>`` where the content type is written with it) and of a
+# result message.
+CALL_SPECIALS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")
+RESULT_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 
 
 def tool_text(name: str, description: str, parameters: object) -> str:
@@ -69,6 +84,32 @@ def schema_bound_text(message_text: str, schema_json: str) -> str:
     """Whichever of the output schema's two renderings has more UTF-8 bytes: the system text other families
     show (``message_text``) or the response-format section of ``schema_json``."""
     return max(message_text, response_format_text(json.loads(schema_json)), key=_utf8_bytes)
+
+
+def call_text(name: str, arguments: str) -> str:
+    """The texts of the call message of ``name`` with ``arguments``, between its specials, concatenated."""
+    return f"assistant to=functions.{name}commentary json{arguments}"
+
+
+def result_header_text(name: str) -> str:
+    """The texts of a result message of ``name`` before its content, between its specials, concatenated."""
+    return f"functions.{name} to=assistantcommentary"
+
+
+@lru_cache(maxsize=4096)
+def call_bound_text(call_id: str, name: str, arguments: str) -> str:
+    """Whichever of a tool call's two renderings has more UTF-8 bytes: what we send (its id, name and
+    arguments) or the texts of its call message. Cached, as ``tool_bound_text``: a turn's calls come back on
+    every rung."""
+    return max(call_id + name + arguments, call_text(name, arguments), key=_utf8_bytes)
+
+
+@lru_cache(maxsize=4096)
+def result_bound_text(call_id: str, name: str) -> str:
+    """Whichever has more UTF-8 bytes: the ``tool_call_id`` a result is sent with, or the header texts of its
+    result message (the function ``name`` of the call it answers). The result's content is bounded on its
+    own: it is in both."""
+    return max(call_id, result_header_text(name), key=_utf8_bytes)
 
 
 def _utf8_bytes(text: str) -> int:

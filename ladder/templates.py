@@ -29,7 +29,16 @@ from ladder.messages import (
     build_payload,
     messages,
 )
-from ladder.openai_framing import TOOLS_CLOSE, TOOLS_OPEN, schema_bound_text, tool_bound_text
+from ladder.openai_framing import (
+    CALL_SPECIALS,
+    RESULT_SPECIALS,
+    TOOLS_CLOSE,
+    TOOLS_OPEN,
+    call_bound_text,
+    result_bound_text,
+    schema_bound_text,
+    tool_bound_text,
+)
 from ladder.seams import splits_between
 
 TEMPLATE_BUCKET = "template"
@@ -481,9 +490,10 @@ class OpenAITemplate(ChatTemplate):
     OpenAI does not publish how it frames tool definitions, the response format, tool calls or tool results.
     Those are ``Bound`` pieces, so a request holding any of them is never counted ``EXACT``. Where its pool
     has OpenAI's counting API (``ModelSpec.bound_counter``), the payload the ladder ends on is counted by it
-    (``PROVIDER_COUNT``, OpenAI's own count of that payload). Without one it is ``UPPER_BOUND``: each hidden
-    item is a message of its own here (3 framing specials and its role) holding its text as a ``Bound``, and
-    ``TOOL_ALLOWANCE`` specials more.
+    (``PROVIDER_COUNT``, OpenAI's own count of that payload). Without one it is ``UPPER_BOUND``: each tool and
+    the output schema is a message of its own here (3 framing specials and its role) holding its text as a
+    ``Bound``, and ``TOOL_ALLOWANCE`` specials more; each tool call and tool result is a ``Bound`` and the
+    specials of its message in harmony's framing (5 and 6 below).
 
     Why that never undercounts tools and the response format, as OpenAI renders them in the one framing it
     has published (``ladder.openai_framing``: the ``namespace functions`` section and the response-format
@@ -509,21 +519,39 @@ class OpenAITemplate(ChatTemplate):
        property's name, type and description, and the enum items, all texts the JSON definition holds, plus
        constants below the JSON's own punctuation around them; it is below the bound too (tested).
 
-    The JSON definition stays in the maximum so that a tool is never bounded below the JSON we send: OpenAI's
+    Why it never undercounts tool calls and tool results, which harmony renders as messages of their own
+    (``<|start|>assistant to=functions.{name}<|channel|>commentary json<|message|>{arguments}<|call|>`` and
+    ``<|start|>functions.{name} to=assistant<|channel|>commentary<|message|>{result}<|end|>``):
+
+    5. A call's ``Bound`` is the longer in bytes of its id + name + arguments and the texts of its call
+       message between the specials (``call_bound_text``), and ``CALL_SPECIALS`` (5: ``<|constrain|>``
+       included, which the model writes before ``json``) follow it, inside the assistant message that sends
+       it. A result's text parts are ``Bound`` pieces, then the longer of its ``tool_call_id`` and its
+       message's header texts (``result_bound_text``; the name is that of the call it answers, found in the
+       request: the parser admits no result without its call, and no compaction splits them), then
+       ``RESULT_SPECIALS`` (4), inside a message of its own (3 framing specials and the role ``tool``).
+    6. A special is never inside a pre-token: harmony (and tiktoken with specials) cuts the text at each
+       special and encodes every text between two of them on its own. So a call message costs its specials
+       plus the tokens of its texts, at most their bytes by 1, whichever way harmony cuts the same
+       characters (the recipient in the header or in the channel, ``json`` after ``<|constrain|>`` or not);
+       so does a result message, and the published rule's count of a tool message as sent (3 framing tokens,
+       its role, content and ``tool_call_id``). The other messages render in harmony as
+       ``<|start|>{role}<|message|>{content}<|end|>``, the published rule's 3 tokens and its values, and
+       harmony primes the reply with 2 tokens, below the rule's 3.
+
+    What we send stays in each maximum so that an item is never bounded below the JSON text of it: OpenAI's
     serving framing is still unpublished, and the drift status compares the bound with what it reports.
-    Tool calls and tool results are bounded by their bytes and the allowance, which no published framing
-    backs; the drift status watches them.
     """
 
     family = "openai"
-    revision = "openai/2"
+    revision = "openai/3"
     START = "<|im_start|>"
     SEP = "<|im_sep|>"
     END = "<|im_end|>"
     PRIME = "<|reply|>"
     ALLOWANCE = "<|framing|>"
     TOOL_ALLOWANCE = 8
-    specials = frozenset({START, SEP, END, PRIME, ALLOWANCE})
+    specials = frozenset({START, SEP, END, PRIME, ALLOWANCE, *CALL_SPECIALS, *RESULT_SPECIALS})
 
     def payload(self, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
         """The chat-completions payload, with each text-only message's content sent as one string."""
@@ -542,14 +570,14 @@ class OpenAITemplate(ChatTemplate):
             yield Special(self.ALLOWANCE)
 
     def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
+        names = {call.id: call.name for message in message_list for call in message.calls}
         tools_opened = False
         for message in message_list:
             yield Special(self.START)
             yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, message.role)
             yield Special(self.SEP)
-            hidden = not message.in_payload or message.role == "tool"
             text = _content_text(message)
-            if hidden:
+            if not message.in_payload or message.role == "tool":
                 for segment in message.segments:
                     yield from self._bounded(message, segment)
                 if not message.in_payload and message.bucket == "tools" and not tools_opened:
@@ -557,8 +585,7 @@ class OpenAITemplate(ChatTemplate):
                     yield Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, TOOLS_OPEN + TOOLS_CLOSE)
                     yield Cut()
                 if message.tool_call_id is not None:
-                    yield Bound(message.bucket, message.object_id, message.tool_call_id)
-                    yield Cut()
+                    yield from self._result_framing(message, message.tool_call_id, names)
             elif text is not None:
                 if text:
                     yield Text(message.bucket, message.object_id, text)
@@ -570,15 +597,27 @@ class OpenAITemplate(ChatTemplate):
                         yield piece
                         yield Cut()
             for call in message.calls:
-                yield Bound(message.bucket, message.object_id, call.id + call.name + call.arguments)
+                yield Bound(
+                    message.bucket, message.object_id, call_bound_text(call.id, call.name, call.arguments)
+                )
                 yield Cut()
-                yield from self._allowance()
-            if hidden:
+                yield from map(Special, CALL_SPECIALS)
+            if not message.in_payload:
                 yield from self._allowance()
             yield Special(self.END)
         yield Special(self.PRIME)
         yield Special(self.PRIME)
         yield Special(self.PRIME)
+
+    @staticmethod
+    def _result_framing(message: Message, call_id: str, names: dict[str, str]) -> Iterator[Piece]:
+        """A result's framing in harmony, bounded: its header names the function of the call it answers."""
+        name = names.get(call_id)
+        if name is None:
+            raise TemplateError(f"the tool result for {call_id!r} has no tool call in the request")
+        yield Bound(message.bucket, message.object_id, result_bound_text(call_id, name))
+        yield Cut()
+        yield from map(Special, RESULT_SPECIALS)
 
     @staticmethod
     def _bounded(message: Message, segment: Segment) -> Iterator[Piece]:
