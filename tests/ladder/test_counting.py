@@ -265,10 +265,16 @@ def test_every_path_gives_the_count_one_piece_at_a_time_gives(
     has_bound = any(isinstance(piece, Bound) for piece in pieces)
     known, cache = TextCounts(10_000), MemoryCountCache()
 
-    def counted(**layers: object) -> Count:
+    def counted(known: TextCounts | None = None, memo: dict[str, int] | None = None) -> Count:
         return count_stream(
-            pieces, counter, cache, template_revision="meta/1", image_formula="tiles512", **layers
-        )  # type: ignore[arg-type]
+            pieces,
+            counter,
+            cache,
+            template_revision="meta/1",
+            image_formula="tiles512",
+            memo=memo,
+            known=known,
+        )
 
     cold, shared, warm, memo = counted(known=known), counted(), counted(known=known), {"stale": 7}
     walked = counted(known=known, memo=memo)
