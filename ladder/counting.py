@@ -15,11 +15,11 @@ import math
 import os
 import threading
 import unicodedata
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter
+from itertools import compress, filterfalse, repeat
+from operator import attrgetter, is_, is_not, not_
 from pathlib import Path
 from typing import Literal, Protocol, cast
 
@@ -106,20 +106,25 @@ class TextCounts:
     """This process's segment counts, keyed by (counter digest, template revision, the text itself).
 
     The same identity as a shared cache key (``cache_key``), so a count made with another tokenizer file (a
-    new digest) or another template revision is never reused; only the text stands for its sha256. Finding a
-    segment costs the string's own hash (computed once per string object) and a comparison, where a cache key
-    costs its UTF-8 encoding, a sha256 and the shared cache's round trip. Bounded by the characters it holds
-    (``max_chars``; least recently used out first; 0 keeps nothing). Safe to share between threads.
+    new digest) or another template revision is never reused; only the text stands for its sha256. Each
+    (digest, revision) has its own table, keyed by the text alone: finding a stream's segments is then one
+    ``map`` of the table's ``get`` in C, the string's own hash (computed once per string object) and a
+    comparison each, where a cache key costs its UTF-8 encoding, a sha256 and the shared cache's round trip.
+
+    Bounded by the characters it holds (``max_chars``; 0 keeps nothing): the least recently used text of the
+    least recently used table goes out first, so a table no count asks for any more (an old tokenizer or
+    template revision) is emptied before the one in use loses a text. Safe to share between threads.
     """
 
     def __init__(self, max_chars: int) -> None:
         self.max_chars = max_chars
-        self._counts: OrderedDict[tuple[str, str, str], int] = OrderedDict()
+        # Both levels least recently used first.
+        self._tables: OrderedDict[tuple[str, str], OrderedDict[str, int]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._counts)
+        return sum(map(len, self._tables.values()))
 
     @property
     def chars(self) -> int:
@@ -127,40 +132,53 @@ class TextCounts:
         return self._chars
 
     def get_many(self, counter_digest: str, template_revision: str, texts: Sequence[str]) -> list[int | None]:
-        """Return the count of each text under this counter and template revision, or None where unknown."""
-        counts = self._counts
-        found: list[int | None] = []
+        """Return the count of each text under this counter and template revision, or None where unknown.
+
+        Each text found becomes the most recently used of its table, and its table of the tables.
+        """
+        identity = (counter_digest, template_revision)
         with self._lock:
-            for text in texts:
-                key = (counter_digest, template_revision, text)
-                value = counts.get(key)
-                if value is not None:
-                    counts.move_to_end(key)
-                found.append(value)
+            table = self._tables.get(identity)
+            if table is None:
+                return [None] * len(texts)
+            self._tables.move_to_end(identity)
+            found = list(map(table.get, texts))
+            hits = texts if None not in found else compress(texts, map(is_not, found, repeat(None)))
+            # Consumed in C, like the lookups: no Python step per text.
+            deque(map(table.move_to_end, hits), maxlen=0)
         return found
 
     def set_many(self, counter_digest: str, template_revision: str, counts: Mapping[str, int]) -> None:
-        """Keep the counts of these texts under this counter and template revision."""
+        """Keep the counts of these texts under this counter and template revision (a text longer than
+        ``max_chars`` is not kept), each the most recently used of its table."""
         limit = self.max_chars
-        held = self._counts
+        if max(map(len, counts), default=0) > limit:
+            counts = {text: value for text, value in counts.items() if len(text) <= limit}
+        if not counts:
+            return
+        identity = (counter_digest, template_revision)
+        tables = self._tables
         with self._lock:
-            for text, value in counts.items():
-                if len(text) > limit:
-                    continue
-                key = (counter_digest, template_revision, text)
-                if key in held:
-                    held.move_to_end(key)
-                else:
-                    self._chars += len(text)
-                held[key] = value
+            table = tables.get(identity)
+            if table is None:
+                table = tables[identity] = OrderedDict()
+            else:
+                tables.move_to_end(identity)
+            held = list(filter(table.__contains__, counts))
+            deque(map(table.move_to_end, held), maxlen=0)
+            table.update(counts)
+            self._chars += sum(map(len, counts)) - sum(map(len, held))
             while self._chars > limit:
-                (_, _, text), _ = held.popitem(last=False)
+                oldest_identity, oldest = next(iter(tables.items()))
+                text, _ = oldest.popitem(last=False)
                 self._chars -= len(text)
+                if not oldest:
+                    del tables[oldest_identity]
 
     def clear(self) -> None:
         """Forget every count."""
         with self._lock:
-            self._counts.clear()
+            self._tables.clear()
             self._chars = 0
 
 
@@ -414,6 +432,20 @@ def cache_key(counter_digest: str, template_revision: str, text: str) -> str:
     return cache_keys(counter_digest, template_revision, (text,))[0]
 
 
+def _take_found(into: dict[str, int], texts: list[str], found: list[int | None]) -> list[str]:
+    """Put the counts found (``found[i]`` for ``texts[i]``, None where unknown) into ``into``; return the
+    texts still unknown, in order."""
+    unknown = found.count(None)
+    if unknown == len(found):
+        return texts
+    if not unknown:
+        into.update(zip(texts, cast("list[int]", found), strict=True))
+        return []
+    hits = list(map(is_not, found, repeat(None)))
+    into.update(zip(compress(texts, hits), cast("Iterator[int]", compress(found, hits)), strict=True))
+    return list(compress(texts, map(not_, hits)))
+
+
 def count_stream(
     pieces: Sequence[Piece],
     counter: SegmentCounter,
@@ -436,37 +468,39 @@ def count_stream(
     """
     kinds = check_boundaries(pieces)
     texts: dict[str, int] = {} if memo is None else memo
-    # The distinct texts, in stream order (dict.fromkeys and the selections run in C, not per piece).
-    unique = list(dict.fromkeys(map(_TEXT_OF, compress(pieces, kinds.translate(_TEXTS)))))
-    if texts:
-        unique = [text for text in unique if text not in texts]
+    # Here and below every step over the texts runs in C (map, compress, dict.fromkeys, zip into a dict),
+    # never a Python step per text: a warm count does little else.
+    text_pieces = cast("list[Text]", list(compress(pieces, kinds.translate(_TEXTS))))
+    strings = list(map(_TEXT_OF, text_pieces))
+    # The texts the memo does not have, repeats included, in stream order.
+    pending = list(filterfalse(texts.__contains__, strings)) if texts else strings
     digest = counter.digest
-    if unique and known is not None:
-        found = known.get_many(digest, template_revision, unique)
-        missing_texts: list[str] = []
-        for text, value in zip(unique, found, strict=True):
-            if value is None:
-                missing_texts.append(text)
-            else:
-                texts[text] = value
-        unique = missing_texts
+    if pending and known is not None:
+        found = known.get_many(digest, template_revision, pending)
+        if pending is strings and IMAGE not in kinds and BOUND not in kinds and None not in found:
+            # A worker's steady state: every text known and nothing else costing tokens, so ``found`` holds
+            # the count of each costing piece, in order.
+            if memo is not None:
+                memo.update(zip(strings, cast("list[int]", found), strict=True))
+            return _texts_count(text_pieces, cast("list[int]", found), kinds, counter.method)
+        pending = _take_found(texts, pending, found)
+    unique = list(dict.fromkeys(pending))
     if unique:
         keys = cache_keys(digest, template_revision, unique)
         cached = cache.get_many(keys)
-        missing = [index for index, value in enumerate(cached) if value is None]
         learned: dict[str, int] = {}
-        for text, value in zip(unique, cached, strict=True):
-            if value is not None:
-                learned[text] = value
+        missing = _take_found(learned, unique, cached)
         if missing:
-            counted = counter.count_many([unique[index] for index in missing])
-            if len(counted) != len(missing) or any(type(n) is not int or n < 0 for n in counted):
+            counted = counter.count_many(missing)
+            if (
+                len(counted) != len(missing)
+                or not set(map(type, counted)) <= {int}
+                or (counted and min(counted) < 0)
+            ):
                 raise ValueError("counter returned a malformed answer")
-            fresh: dict[str, int] = {}
-            for index, value in zip(missing, counted, strict=True):
-                learned[unique[index]] = value
-                fresh[keys[index]] = value
-            cache.set_many(fresh)
+            learned.update(zip(missing, counted, strict=True))
+            misses = map(is_, cached, repeat(None)) if len(missing) < len(unique) else repeat(True)
+            cache.set_many(dict(zip(compress(keys, misses), counted, strict=True)))
         texts.update(learned)
         if known is not None:
             known.set_many(digest, template_revision, learned)
@@ -487,11 +521,27 @@ def count_stream(
             method = "UPPER_BOUND"
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
         per_object[piece.object_id] = per_object.get(piece.object_id, 0) + tokens
+    return _with_specials(per_bucket, per_object, kinds, method)
+
+
+def _texts_count(text_pieces: list[Text], tokens: list[int], kinds: bytes, method: CountMethod) -> Count:
+    """The count of a stream whose costing pieces are ``text_pieces``, of ``tokens`` tokens each."""
+    per_bucket: dict[str, int] = {}
+    per_object: dict[str, int] = {}
+    for piece, n in zip(text_pieces, tokens, strict=True):
+        per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + n
+        per_object[piece.object_id] = per_object.get(piece.object_id, 0) + n
+    return _with_specials(per_bucket, per_object, kinds, method)
+
+
+def _with_specials(
+    per_bucket: dict[str, int], per_object: dict[str, int], kinds: bytes, method: CountMethod
+) -> Count:
+    """The count of a stream: its pieces' tokens by bucket and object, plus its specials (the template's)."""
     specials = kinds.count(SPECIAL)
     per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials
     per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + specials
-    total = sum(per_bucket.values())
-    return Count(total, per_bucket, per_object, method, specials)
+    return Count(sum(per_bucket.values()), per_bucket, per_object, method, specials)
 
 
 def rendered_digest(payload: object) -> str:

@@ -117,6 +117,13 @@ _KINDS: dict[type, int] = {Special: SPECIAL, Cut: CUT, Text: TEXT, Bound: BOUND,
 COSTING = bytes.maketrans(bytes([SPECIAL, CUT, TEXT, BOUND, IMAGE]), bytes([0, 0, 1, 1, 1]))
 
 
+# The last stream (a tuple: it and its frozen pieces cannot change) found to follow the rule, and its kinds.
+# ``ChatTemplate.render`` checks every stream it returns and ``count_stream`` checks the stream it is given,
+# nearly always that one: the second check is then an identity test. The stream is held, not its id, so no
+# other tuple can come to have that id.
+_last_checked: tuple[tuple[Piece, ...], bytes] = ((), b"")
+
+
 def check_boundaries(pieces: Sequence[Piece]) -> bytes:
     """Check the counting rule: the stream starts and ends with a special or a cut, and no two other pieces
     touch (a special or a cut separates them). Returns the kind of each piece (``SPECIAL`` … ``IMAGE``, one
@@ -124,6 +131,10 @@ def check_boundaries(pieces: Sequence[Piece]) -> bytes:
 
     Raises TemplateError when the rule is broken (a template bug: counts would no longer add up).
     """
+    global _last_checked
+    checked, known_kinds = _last_checked
+    if pieces is checked and known_kinds:
+        return known_kinds
     kinds = bytes(map(_KINDS.__getitem__, map(type, pieces)))
     joins = kinds.translate(COSTING)
     if not joins or joins[0] or joins[-1]:
@@ -131,6 +142,8 @@ def check_boundaries(pieces: Sequence[Piece]) -> bytes:
     index = joins.find(b"\x01\x01")
     if index >= 0:
         raise TemplateError(f"adjacent non-special pieces: {pieces[index]!r} / {pieces[index + 1]!r}")
+    if type(pieces) is tuple:
+        _last_checked = (pieces, kinds)
     return kinds
 
 

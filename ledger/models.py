@@ -232,10 +232,14 @@ class Reservation(FSMModelMixin, models.Model):
     """One admitted (or queued, or rejected) request and its holds. Transitions only set fields."""
 
     id = models.UUIDField(primary_key=True, default=new_reservation_id, editable=False)
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="reservations")
+    # No index of its own: the idempotency key's unique constraint (tenant, idempotency_key) leads with it.
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="reservations", db_index=False)
     task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, related_name="+")
     model_pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, related_name="+")
-    model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")
+    # No index of its own: the billing buckets' index (model_revision, dispatched_at) leads with it.
+    model_revision = models.ForeignKey(
+        ModelRevision, on_delete=models.PROTECT, related_name="+", db_index=False
+    )
     request_id = models.CharField(max_length=128)
     idempotency_key = models.CharField(max_length=200)
     rendered_digest = models.CharField(max_length=71)
@@ -466,7 +470,10 @@ class Reservation(FSMModelMixin, models.Model):
 class Hold(models.Model):
     """Which accounts a reservation holds capacity on (the amounts are the reservation's)."""
 
-    reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="holds")
+    # No index of its own: hold_unique (reservation, account) leads with it.
+    reservation = models.ForeignKey(
+        Reservation, on_delete=models.PROTECT, related_name="holds", db_index=False
+    )
     account = models.ForeignKey(CapacityAccount, on_delete=models.PROTECT, related_name="holds")
 
     class Meta:
@@ -489,7 +496,10 @@ class EntryKind(models.TextChoices):
 class LedgerEntry(models.Model):
     """An append-only change to one account's balances; balances equal the sum of their entries."""
 
-    account = models.ForeignKey(CapacityAccount, on_delete=models.PROTECT, related_name="entries")
+    # No index of its own: the (account, id) index leads with it.
+    account = models.ForeignKey(
+        CapacityAccount, on_delete=models.PROTECT, related_name="entries", db_index=False
+    )
     reservation = models.ForeignKey(
         Reservation, on_delete=models.PROTECT, null=True, blank=True, related_name="entries"
     )
@@ -516,7 +526,10 @@ class LedgerEntry(models.Model):
 
 
 class UsageEvent(models.Model):
-    reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="usage_events")
+    # No index of its own: usage_event_unique_id (reservation, usage_event_id) leads with it.
+    reservation = models.ForeignKey(
+        Reservation, on_delete=models.PROTECT, related_name="usage_events", db_index=False
+    )
     usage_event_id = models.CharField(max_length=200)
     input_tokens = models.BigIntegerField(null=True, blank=True)
     output_tokens = models.BigIntegerField()
@@ -542,7 +555,10 @@ class UsageEvent(models.Model):
 
 
 class TopUp(models.Model):
-    reservation = models.ForeignKey(Reservation, on_delete=models.PROTECT, related_name="top_up_records")
+    # No index of its own: top_up_unique_id (reservation, top_up_id) leads with it.
+    reservation = models.ForeignKey(
+        Reservation, on_delete=models.PROTECT, related_name="top_up_records", db_index=False
+    )
     top_up_id = models.CharField(max_length=200)
     output_tokens = models.BigIntegerField()
     created_at = models.DateTimeField(auto_now_add=True)

@@ -46,7 +46,8 @@ class Manifest(models.Model):
     """The replayable record of one admission decision (SPEC §7)."""
 
     request_id = models.CharField(max_length=128)
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="manifests")
+    # No index of its own: the (tenant, request_id) index leads with it.
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="manifests", db_index=False)
     task_class = models.ForeignKey(TaskClass, on_delete=models.PROTECT, related_name="+")
     model_pool = models.ForeignKey(ModelPool, on_delete=models.PROTECT, related_name="+")
     model_revision = models.ForeignKey(ModelRevision, on_delete=models.PROTECT, related_name="+")

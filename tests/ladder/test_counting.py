@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ladder.counting import (
+    Count,
     CountingUnavailable,
     CountMethod,
     MemoryCountCache,
@@ -20,10 +21,11 @@ from ladder.counting import (
     cache_key,
     count_stream,
     file_digest,
+    image_tokens,
     rendered_digest,
     upper_bound_rule,
 )
-from ladder.templates import Piece, Special, Text
+from ladder.templates import Bound, Cut, Image, Piece, Special, Text
 
 from .conftest import DEEPSEEK_FILE, LEGACY_FILE, deepseek_counter, legacy_counter
 from .fixtures import Gen
@@ -183,6 +185,124 @@ def test_process_counts_are_bounded_by_characters_least_recently_used_out_first(
     nothing = TextCounts(0)
     nothing.set_many("d", "r", {"a": 1})
     assert len(nothing) == 0
+
+
+def test_the_least_recently_used_table_is_emptied_first() -> None:
+    known = TextCounts(12)
+    known.set_many("old", "r", {"aaaa": 1, "bbbb": 2})
+    known.set_many("new", "r", {"cccc": 3})
+    assert known.get_many("new", "r", ["cccc"]) == [3]  # "new" is the table used most recently
+    known.set_many("new", "r", {"dddd": 4, "eeee": 5})
+    # Over the bound by eight characters: the old table's two texts go, not the new table's older one.
+    assert known.get_many("old", "r", ["aaaa", "bbbb"]) == [None, None]
+    assert known.get_many("new", "r", ["cccc", "dddd", "eeee"]) == [3, 4, 5]
+    assert known.chars == 12 and len(known) == 3
+    known.set_many("old", "r", {"ffff": 6})
+    assert known.get_many("new", "r", ["cccc"]) == [None], "then the least recently used text of the next"
+    assert known.get_many("old", "r", ["ffff"]) == [6] and known.chars == 12
+
+
+def test_a_lookup_refreshes_only_what_it_found_and_a_rewrite_is_not_counted_twice() -> None:
+    known = TextCounts(12)
+    known.set_many("d", "r", {"aaaa": 1, "bbbb": 2, "cccc": 3})
+    assert known.get_many("d", "r", ["zzzz", "aaaa", "aaaa"]) == [None, 1, 1]
+    known.set_many("d", "r", {"bbbb": 20})  # already held: refreshed, its characters not added again
+    assert known.chars == 12
+    known.set_many("d", "r", {"dddd": 4})
+    assert known.get_many("d", "r", ["aaaa", "bbbb", "cccc", "dddd"]) == [1, 20, None, 4]
+    assert known.get_many("other", "r", ["aaaa"]) == [None] and len(known) == 3
+
+
+OBJECTS = ["template", "evidence:e1", "evidence:e2", "tools:t1"]
+piece_texts = st.sampled_from(["system", "\n\n", "alpha beta", "合同条款", "x" * 30, " ", "ﬁ ①"])
+costing_pieces = st.one_of(
+    st.builds(
+        Text, st.sampled_from(["template", "evidence", "tools"]), st.sampled_from(OBJECTS), piece_texts
+    ),
+    st.builds(Bound, st.sampled_from(["template", "tools"]), st.sampled_from(OBJECTS), piece_texts),
+    st.builds(
+        Image, st.just("evidence"), st.sampled_from(OBJECTS), st.integers(1, 3000), st.integers(1, 3000)
+    ),
+)
+
+
+def reference_count(
+    pieces: Sequence[Piece], counter: TokenizerCounter
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Per bucket and per object, one piece at a time, the specials (the template's) last."""
+    per_bucket: dict[str, int] = {}
+    per_object: dict[str, int] = {}
+    specials = [piece for piece in pieces if isinstance(piece, Special)]
+    for piece in [*(p for p in pieces if not isinstance(p, Special | Cut)), *specials]:
+        if isinstance(piece, Special):
+            bucket, object_id, tokens = "template", "template", 1
+        elif isinstance(piece, Text):
+            bucket, object_id, tokens = piece.bucket, piece.object_id, counter.count_many([piece.text])[0]
+        elif isinstance(piece, Bound):
+            bucket, object_id, tokens = piece.bucket, piece.object_id, len(piece.text.encode("utf-8"))
+        else:
+            assert isinstance(piece, Image)
+            bucket, object_id = piece.bucket, piece.object_id
+            tokens = image_tokens(piece.width, piece.height, "tiles512")
+        per_bucket[bucket] = per_bucket.get(bucket, 0) + tokens
+        per_object[object_id] = per_object.get(object_id, 0) + tokens
+    return per_bucket, per_object
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    costing=st.lists(costing_pieces, max_size=14),
+    separators=st.lists(st.sampled_from([Special("<S>"), Cut()])),
+)
+def test_every_path_gives_the_count_one_piece_at_a_time_gives(
+    costing: list[Piece], separators: list[Piece]
+) -> None:
+    pieces: list[Piece] = [Special("<SOS>")]
+    for index, piece in enumerate(costing):
+        pieces.extend((piece, separators[index] if index < len(separators) else Special("<EOT>")))
+    counter = legacy_counter()
+    per_bucket, per_object = reference_count(pieces, counter)
+    has_bound = any(isinstance(piece, Bound) for piece in pieces)
+    known, cache = TextCounts(10_000), MemoryCountCache()
+
+    def counted(known: TextCounts | None = None, memo: dict[str, int] | None = None) -> Count:
+        return count_stream(
+            pieces,
+            counter,
+            cache,
+            template_revision="meta/1",
+            image_formula="tiles512",
+            memo=memo,
+            known=known,
+        )
+
+    cold, shared, warm, memo = counted(known=known), counted(), counted(known=known), {"stale": 7}
+    walked = counted(known=known, memo=memo)
+    for result in (cold, shared, warm, walked):
+        assert (result.per_bucket, result.per_object) == (per_bucket, per_object)
+        assert list(result.per_bucket) == list(per_bucket) and list(result.per_object) == list(per_object)
+        assert result.total == sum(per_bucket.values())
+        assert result.method == ("UPPER_BOUND" if has_bound else "EXACT")
+    texts = {piece.text for piece in pieces if isinstance(piece, Text)}
+    assert memo == {"stale": 7} | {text: counter.count_many([text])[0] for text in texts}
+
+
+def test_the_steady_state_fills_the_walk_memo_and_asks_nothing_else() -> None:
+    texts = ["alpha beta", "gamma", "alpha beta"]
+    spy, cache, known = SpyCounter(legacy_counter()), SpyCache(), TextCounts(10_000)
+    first = known_count(stream(texts), spy, cache, known)
+    memo: dict[str, int] = {}
+    again = count_stream(
+        stream(new_strings(texts)),
+        spy,
+        cache,
+        template_revision="meta/1",
+        image_formula="tiles512",
+        memo=memo,
+        known=known,
+    )
+    assert again.total == first and len(spy.calls) == 1 and len(cache.asked) == 1
+    assert memo == dict(zip(texts, legacy_counter().count_many(texts), strict=True))
 
 
 def _modified_copy(source: Path, target: Path, drop_merges: int) -> Path:

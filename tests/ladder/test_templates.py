@@ -134,6 +134,24 @@ def test_boundary_rule_is_enforced() -> None:
     check_boundaries([Special("<SOS>"), Text("question", "question", "a"), Special("<EOT>")])
 
 
+def test_the_kinds_of_the_stream_checked_last_are_reused_only_for_that_very_tuple() -> None:
+    good = (Special("<SOS>"), Text("question", "question", "a"), Special("<EOT>"))
+    kinds = check_boundaries(good)
+    broken = (Special("<SOS>"), Text("question", "question", "a"), Text("question", "question", "b"))
+    for _ in range(2):
+        with pytest.raises(TemplateError):
+            check_boundaries(broken)  # a stream that breaks the rule is never taken for checked
+    assert check_boundaries(good) == kinds == check_boundaries(tuple(list(good)))
+    image = (Special("<SOS>"), Image("question", "q", 1, 1), Special("<EOT>"))
+    assert check_boundaries(image) != kinds
+    # A list can change after its check: it is read again every time.
+    pieces: list[Piece] = list(good)
+    check_boundaries(pieces)
+    pieces[-1] = Text("question", "question", "b")
+    with pytest.raises(TemplateError):
+        check_boundaries(pieces)
+
+
 def test_special_strings_in_content_are_counted_as_text() -> None:
     assert legacy_counter().count_many(["<EOT>"])[0] > 1
     assert deepseek_counter().count_many(["<\uff5cend\u2581of\u2581sentence\uff5c>"])[0] > 1
