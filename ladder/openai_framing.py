@@ -36,13 +36,17 @@ headers (checked against openai-harmony's ``Message`` builders in the same tests
 The model itself writes the call's content type as ``<|constrain|>json`` (harmony's ``docs/format.md``), one
 special more, and may move the recipient into the channel (``commentary to=functions.{name}
 <|constrain|>json``): the same characters, cut elsewhere. ``call_text`` and ``result_header_text`` are the
-texts between the specials, concatenated.
+texts between the specials, concatenated. A text the assistant writes beside its calls is a message of its
+own, in a channel (``commentary`` for the preamble harmony's ``docs/format.md`` describes)::
+
+    <|start|>assistant<|channel|>commentary<|message|>{text}<|end|>
 """
 
 from __future__ import annotations
 
 import json
 import math
+import unicodedata
 from functools import lru_cache
 
 # The tools section opens and closes once per request; the "\n\n" joins it to the instructions before it.
@@ -55,6 +59,10 @@ RESPONSE_FORMAT_OPEN = "\n\n# Response Formats\n\n## output\n\n"
 # result message.
 CALL_SPECIALS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")
 RESULT_SPECIALS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
+# The special that opens the channel of an assistant's text beside its calls, and the longest in bytes of
+# harmony's channels (``analysis``, ``commentary``, ``final``): its bytes bound whichever the text is in.
+CHANNEL_SPECIAL = "<|channel|>"
+TEXT_CHANNEL = "commentary"
 
 
 def tool_text(name: str, description: str, parameters: object) -> str:
@@ -110,6 +118,17 @@ def result_bound_text(call_id: str, name: str) -> str:
     result message (the function ``name`` of the call it answers). The result's content is bounded on its
     own: it is in both."""
     return max(call_id, result_header_text(name), key=_utf8_bytes)
+
+
+@lru_cache(maxsize=256)
+def trailing_run(text: str) -> str:
+    """The end of ``text`` after its last letter or digit (Unicode categories L and N), all of it when it has
+    none: the only part of ``text`` whose pre-tokens may change when a text starting with a line break is
+    appended (``OpenAITemplate``, step 3). Cached: the same instructions come back on every rung."""
+    end = len(text)
+    while end and unicodedata.category(text[end - 1])[0] not in "LN":
+        end -= 1
+    return text[end:]
 
 
 def _utf8_bytes(text: str) -> int:

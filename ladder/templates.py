@@ -31,13 +31,16 @@ from ladder.messages import (
 )
 from ladder.openai_framing import (
     CALL_SPECIALS,
+    CHANNEL_SPECIAL,
     RESULT_SPECIALS,
+    TEXT_CHANNEL,
     TOOLS_CLOSE,
     TOOLS_OPEN,
     call_bound_text,
     result_bound_text,
     schema_bound_text,
     tool_bound_text,
+    trailing_run,
 )
 from ladder.seams import splits_between
 
@@ -505,8 +508,10 @@ class OpenAITemplate(ChatTemplate):
     has OpenAI's counting API (``ModelSpec.bound_counter``), the payload the ladder ends on is counted by it
     (``PROVIDER_COUNT``, OpenAI's own count of that payload). Without one it is ``UPPER_BOUND``: each tool and
     the output schema is a message of its own here (3 framing specials and its role) holding its text as a
-    ``Bound``, and ``TOOL_ALLOWANCE`` specials more; each tool call and tool result is a ``Bound`` and the
-    specials of its message in harmony's framing (5 and 6 below).
+    ``Bound``, and ``TOOL_ALLOWANCE`` specials more, and the first system message's instructions have a
+    ``Bound`` of their end after them (3 below); each tool call and tool result is a ``Bound`` and the
+    specials of its message in harmony's framing, and an assistant's text beside its calls has the special
+    and the channel of its own message (5 and 6 below).
 
     Why that never undercounts tools and the response format, as OpenAI renders them in the one framing it
     has published (``ladder.openai_framing``: the ``namespace functions`` section and the response-format
@@ -521,12 +526,30 @@ class OpenAITemplate(ChatTemplate):
        and response-format texts, none longer in bytes than its ``Bound``, so by 1 their tokens are at most
        the sum of the ``Bound`` bytes, whatever merges inside them.
     3. The section travels in a developer message of its own (3 framing tokens and its role: 4, below the 12
-       specials an item brings here), or after the first system message's instructions, joined by
-       ``\\n\\n``. tiktoken cuts a text into pre-tokens left to right and encodes each on its own; no pattern
-       of these vocabularies takes the ``#`` after a line break into the pre-token before it, so the
-       section's pre-tokens are the same there as alone, and only the instructions' last one may change (a
-       run of punctuation or whitespace that takes the ``\\n\\n`` in). That one step is not proven: the 12
-       specials an item brings are its margin, and the property test checks both placements.
+       specials an item brings here), or after the first system message's instructions ``T``, joined by
+       ``\\n\\n``. For that placement the first system message holds, after ``T``, a ``Bound`` of
+       ``trailing_run(T)``: ``R``, the end of ``T`` after its last letter or digit (Unicode L and N). tiktoken
+       cuts a text into pre-tokens left to right with its vocabulary's regex (tiktoken's ``openai_public.py``:
+       o200k_base's and cl100k_base's) and encodes each on its own; a match depends only on the characters
+       the regex reads from where it starts, forward (neither regex looks behind).
+
+       a. A match that starts at or before ``T``'s last letter or digit is the same in ``T`` and in ``T``
+          followed by ``\\n\\n``. In a pre-token only letters, marks, digits (three at most) and a
+          contraction (``'s``, ``'ll`` …: letters after the apostrophe) follow a letter or a digit, and each
+          rejects a line break as it rejects the end of the text; the alternatives of whitespace and
+          punctuation (``\\s*[\\r\\n]+``, ``\\s+(?!\\S)``, ``\\s++$``, `` ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*`` …)
+          take no letter or digit, so they stop before it. So ``T``'s pre-tokens up to the one holding its
+          last letter or digit are unchanged, and only those after it, all inside ``R``, can take the
+          ``\\n\\n`` in (a run of spaces, line breaks, punctuation, CJK punctuation or ideographic spaces).
+       b. Inside a pre-token a line break is followed only by whitespace or ``/``, and every section opens
+          with ``#``: the section's pre-tokens start after the ``\\n\\n``, the same as alone.
+
+       So the joined text costs the tokens of ``T``'s unchanged pre-tokens (at most ``T``'s count), at most
+       ``R``'s bytes and the 2 of ``\\n\\n`` for the pre-tokens after them (by 1), and the section's own
+       tokens: ``T``'s ``Text``, the ``Bound`` of ``R`` and the sections' ``Bound`` pieces (which open with
+       that ``\\n\\n``) cover it. ``R`` is empty for instructions ending in a letter or a digit and short for
+       most others, so the instructions stay counted exactly, not by their bytes. The tests check a and b on
+       tiktoken's own regexes, and find instructions whose join costs more than the ``\\n\\n``'s bytes.
     4. The cookbook's ``num_tokens_for_tools`` (its constants for gpt-4o: 7 a function, 3 the properties, 3
        a property, -3 an enum, 3 an item, 12 at the end) counts the name and description, each top-level
        property's name, type and description, and the enum items, all texts the JSON definition holds, plus
@@ -542,7 +565,12 @@ class OpenAITemplate(ChatTemplate):
        it. A result's text parts are ``Bound`` pieces, then the longer of its ``tool_call_id`` and its
        message's header texts (``result_bound_text``; the name is that of the call it answers, found in the
        request: the parser admits no result without its call, and no compaction splits them), then
-       ``RESULT_SPECIALS`` (4), inside a message of its own (3 framing specials and the role ``tool``).
+       ``RESULT_SPECIALS`` (4), inside a message of its own (3 framing specials and the role ``tool``). An
+       assistant message with content beside its calls is also rendered as a message of its own in harmony,
+       ``<|start|>assistant<|channel|>commentary<|message|>{text}<|end|>``: the published rule's 3 tokens,
+       its role and content, and ``<|channel|>`` and the channel more, so that message here has
+       ``CHANNEL_SPECIAL`` and a ``Bound`` of ``TEXT_CHANNEL``, the longest of harmony's channels in bytes
+       (``commentary``; ``analysis`` and ``final`` are shorter), whichever the text is rendered in.
     6. A special is never inside a pre-token: harmony (and tiktoken with specials) cuts the text at each
        special and encodes every text between two of them on its own. So a call message costs its specials
        plus the tokens of its texts, at most their bytes by 1, whichever way harmony cuts the same
@@ -557,14 +585,16 @@ class OpenAITemplate(ChatTemplate):
     """
 
     family = "openai"
-    revision = "openai/3"
+    revision = "openai/4"
     START = "<|im_start|>"
     SEP = "<|im_sep|>"
     END = "<|im_end|>"
     PRIME = "<|reply|>"
     ALLOWANCE = "<|framing|>"
     TOOL_ALLOWANCE = 8
-    specials = frozenset({START, SEP, END, PRIME, ALLOWANCE, *CALL_SPECIALS, *RESULT_SPECIALS})
+    specials = frozenset(
+        {START, SEP, END, PRIME, ALLOWANCE, CHANNEL_SPECIAL, *CALL_SPECIALS, *RESULT_SPECIALS}
+    )
 
     def payload(self, components: Components, memo: RenderMemo | None = None) -> dict[str, object]:
         """The chat-completions payload, with each text-only message's content sent as one string."""
@@ -584,6 +614,8 @@ class OpenAITemplate(ChatTemplate):
 
     def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
         names = {call.id: call.name for message in message_list for call in message.calls}
+        # The hidden sections may follow the first system message's instructions (step 3).
+        joined = any(not message.in_payload for message in message_list)
         tools_opened = False
         for message in message_list:
             yield Special(self.START)
@@ -609,6 +641,13 @@ class OpenAITemplate(ChatTemplate):
                     if piece is not None:
                         yield piece
                         yield Cut()
+            if joined and message.in_payload and message.role == "system":
+                joined = False
+                yield from self._instructions_end(message)
+            if message.calls and message.segments:
+                yield Special(CHANNEL_SPECIAL)
+                yield Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, TEXT_CHANNEL)
+                yield Cut()
             for call in message.calls:
                 yield Bound(
                     message.bucket, message.object_id, call_bound_text(call.id, call.name, call.arguments)
@@ -621,6 +660,25 @@ class OpenAITemplate(ChatTemplate):
         yield Special(self.PRIME)
         yield Special(self.PRIME)
         yield Special(self.PRIME)
+
+    @staticmethod
+    def _instructions_end(message: Message) -> Iterator[Piece]:
+        """The allowance for the instructions' last pre-tokens merging with the ``\\n\\n`` that joins the
+        hidden sections to them (step 3): a ``Bound`` of the end of their last text after its last letter or
+        digit, none when the message ends with an image (no text there to merge)."""
+        text = _content_text(message)
+        if text is None:
+            # With an image each part is a piece of its own: the join follows the last one counted.
+            counted = [
+                segment.part
+                for segment in message.segments
+                if isinstance(segment.part, ImagePart) or segment.part.text
+            ]
+            text = counted[-1].text if isinstance(counted[-1], TextPart) else ""
+        run = trailing_run(text)
+        if run:
+            yield Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, run)
+            yield Cut()
 
     @staticmethod
     def _result_framing(message: Message, call_id: str, names: dict[str, str]) -> Iterator[Piece]:

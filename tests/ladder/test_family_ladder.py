@@ -188,6 +188,6 @@ def test_a_llama_request_falling_back_to_gpt_4o_is_counted_by_openais_rule() -> 
         ladder=["FULL", "SMALLER_MODEL", "QUEUE_OR_REJECT"],
         fallbackModels=["gpt-4o@1"],
     )
-    assert decision.admitted and decision.model.id == "gpt-4o@1" and decision.template_revision == "openai/3"
+    assert decision.admitted and decision.model.id == "gpt-4o@1" and decision.template_revision == "openai/4"
     assert decision.count is not None and decision.count.method == "EXACT"
     check(decision)

@@ -12,6 +12,7 @@ prompt tokens for its weather example on gpt-4o) the one figure that comes from 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from dataclasses import replace
@@ -19,6 +20,7 @@ from functools import cache
 from typing import Any
 
 import pytest
+import regex
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 from openai_harmony import (
@@ -38,7 +40,9 @@ from ladder.encoders import parse_tiktoken_bpe
 from ladder.messages import messages
 from ladder.openai_framing import (
     CALL_SPECIALS,
+    CHANNEL_SPECIAL,
     RESULT_SPECIALS,
+    TEXT_CHANNEL,
     TOOLS_CLOSE,
     TOOLS_OPEN,
     call_bound_text,
@@ -46,8 +50,19 @@ from ladder.openai_framing import (
     result_bound_text,
     result_header_text,
     tool_text,
+    trailing_run,
 )
-from ladder.templates import Bound, TemplateError, get_template
+from ladder.templates import (
+    TEMPLATE_BUCKET,
+    TEMPLATE_OBJECT,
+    Bound,
+    Cut,
+    Piece,
+    Special,
+    TemplateError,
+    Text,
+    get_template,
+)
 
 from .conftest import TOKENIZER_DIR
 from .strategies import components_json, json_schemas, parts, texts, tool_definitions
@@ -217,18 +232,33 @@ def published_framings(comps: Components, encoding_name: str) -> dict[str, int]:
     return {"own message": own, "appended": num_tokens_from_messages(appended, reference)}
 
 
+def openai4_allowances(pieces: tuple[Piece, ...]) -> int:
+    """What openai/4 adds to the bound: the ``Bound`` of the instructions' end (a template text without a
+    letter or a digit), and the ``<|channel|>`` and channel of an assistant's text beside its calls."""
+    total = 0
+    for before, piece in itertools.pairwise(pieces):
+        if not isinstance(piece, Bound) or piece.bucket != TEMPLATE_BUCKET:
+            continue
+        if piece.text == TEXT_CHANNEL and before == Special(CHANNEL_SPECIAL):
+            total += 1 + len(piece.text.encode())
+        elif trailing_run(piece.text) == piece.text:
+            total += len(piece.text.encode())
+    return total
+
+
 def definition_text(part: object) -> str:
     assert isinstance(part, TextPart)
     return part.text
 
 
 def old_rule_total(comps: Components, total: int) -> int:
-    """The previous rule's count of the same request: a tool's JSON definition alone, no namespace frame."""
+    """The previous rule's count of the same request: a tool's JSON definition alone, no namespace frame (and
+    none of what openai/4 adds)."""
     pieces = get_template("openai").render(comps)
     definitions = {
         m.object_id: definition_text(m.segments[0].part) for m in messages(comps) if m.bucket == "tools"
     }
-    extra = 0
+    extra = openai4_allowances(pieces)
     for piece in pieces:
         if isinstance(piece, Bound) and piece.bucket == "tools" and piece.object_id in definitions:
             extra += len(piece.text.encode()) - len(definitions[piece.object_id].encode())
@@ -478,8 +508,9 @@ def harmony_count(tokens: list[int], encoding_name: str) -> int:
 
 def harmony_conversations(comps: Components, encoding_name: str) -> dict[str, int]:
     """The tokens of the request as openai-harmony renders it: each message, and each tool call and tool
-    result a message of its own, the reply primed; the tools and response-format sections in each place they
-    may go (a developer message of their own, or after the first system message's instructions)."""
+    result a message of its own, an assistant's text beside its calls in the commentary channel, the reply
+    primed; the tools and response-format sections in each place they may go (a developer message of their
+    own, or after the first system message's instructions)."""
     payload: dict[str, Any] = get_template("openai").payload(comps)
     entries = payload["messages"]
     names = {
@@ -506,7 +537,9 @@ def harmony_conversations(comps: Components, encoding_name: str) -> dict[str, in
                 content += "\n\n" + section
                 pending = False
             if content is not None:
-                rendered.append(Message.from_role_and_content(Role(entry["role"]), content))
+                message = Message.from_role_and_content(Role(entry["role"]), content)
+                # harmony's preamble: an assistant's text beside its calls, in the commentary channel.
+                rendered.append(message.with_channel("commentary") if entry.get("tool_calls") else message)
             for call in entry.get("tool_calls") or ():
                 rendered.append(harmony_call(call["function"]["name"], call["function"]["arguments"]))
         conversation = Conversation.from_messages(rendered)
@@ -534,7 +567,8 @@ def sent_count(comps: Components, encoding_name: str) -> int:
 
 def old_tool_turn_total(comps: Components, total: int) -> int:
     """The rule before openai/3 over the same request: a call's id + name + arguments and 8 specials, a
-    result's ``tool_call_id`` and 8 specials."""
+    result's ``tool_call_id`` and 8 specials (and none of what openai/4 adds)."""
+    total -= openai4_allowances(get_template("openai").render(comps))
     listed = messages(comps)
     names = {call.id: call.name for message in listed for call in message.calls}
     for message in listed:
@@ -688,3 +722,240 @@ def test_the_property_finds_where_the_old_tool_turn_rule_undercounts() -> None:
         settings=settings(max_examples=500, deadline=None, database=None),
     )
     assert any(turn.get("toolCalls") for turn in found["recentTurns"])
+
+
+# ------------------------------------------------------------------ the instructions joined to the sections
+
+# Runs that may end the instructions: whitespace, line breaks, punctuation, CJK punctuation and spaces, a
+# combining mark (a letter's in o200k_base, neither letter nor digit for the allowance).
+ENDINGS = [*" \n\r\t", "\r\n", *"\u3000!.?)/#'。、！…—\u0301"]
+instruction_ends = st.one_of(
+    st.lists(st.sampled_from(ENDINGS), max_size=12).map("".join),
+    st.builds(lambda run, times: run * times, st.sampled_from(ENDINGS), st.integers(1, 200)),
+)
+instructions = st.builds(lambda text, end: text + end, texts, instruction_ends)
+# The units of the exhaustive search below, and an input it finds in both vocabularies: the merge of its
+# line breaks with the "\n\n" costs more than the "\n\n"'s 2 bytes.
+UNITS = ["\u3000", "\r\n", "\t", "\r", "\n", " ", "!", "。"]
+MERGING = "Hello\r\n\t\r\n"
+
+
+@cache
+def sections() -> tuple[str, ...]:
+    """The texts that may follow the instructions' ``\\n\\n``: harmony's tools section of the cookbook tool,
+    a response-format section, and both."""
+    tools = harmony_tools_section([COOKBOOK_TOOL])
+    schema = response_format_section({"type": "object", "properties": {"a": {"type": "string"}}})
+    return tools, schema, tools + "\n\n" + schema
+
+
+@cache
+def pre_tokenizer(encoding: str) -> Any:
+    return regex.compile(openai_reference(encoding)._pat_str)
+
+
+def pre_tokens(encoding: str, text: str) -> list[str]:
+    """tiktoken's pre-tokens of ``text``: its vocabulary's regex (``openai_public.py``), as tiktoken's
+    ``_educational.py`` applies it with the same ``regex`` module."""
+    return list(pre_tokenizer(encoding).findall(text))
+
+
+def join_excess(encoding: str, text: str, section: str) -> int:
+    """How many tokens more ``text`` joined to ``section`` by ``\\n\\n`` costs than ``text``'s own count, the
+    line break's 2 bytes and the section's own count: what the allowance must cover."""
+    reference = openai_reference(encoding)
+
+    def tokens(value: str) -> int:
+        return len(reference.encode(value, disallowed_special=()))
+
+    return tokens(text + "\n\n" + section) - tokens(text) - 2 - tokens(section)
+
+
+@pytest.mark.parametrize("encoding", sorted(OPENAI_FILES))
+@settings(max_examples=300, deadline=None)
+@given(text=instructions)
+def test_only_the_instructions_end_merges_with_the_section(encoding: str, text: str) -> None:
+    """Step 3's lemma on tiktoken's own regexes: the instructions' pre-tokens up to the one holding their last
+    letter or digit are unchanged by the join (a), the ones after lie in the run ``trailing_run`` returns, and
+    the section's pre-tokens start after the ``\\n\\n``, the same as alone (b)."""
+    section = sections()[0]
+    alone = pre_tokens(encoding, text)
+    joined = pre_tokens(encoding, text + "\n\n" + section)
+    run_start = len(text) - len(trailing_run(text))
+    starts = [sum(map(len, alone[:index])) for index in range(len(alone))]
+    kept = sum(1 for start in starts if start < run_start)
+    assert joined[:kept] == alone[:kept]
+    merged_from = sum(map(len, alone[:kept]))
+    assert merged_from >= run_start
+    ends = [
+        merged_from + sum(map(len, joined[kept : kept + index])) for index in range(len(joined) - kept + 1)
+    ]
+    after = ends.index(len(text) + 2)
+    assert joined[kept + after :] == pre_tokens(encoding, section)
+
+
+@pytest.mark.parametrize("encoding", sorted(OPENAI_FILES))
+def test_the_join_does_merge(encoding: str) -> None:
+    """The lemma is not vacuous: a run of punctuation and one of spaces take the ``\\n\\n`` into their
+    pre-token."""
+    assert pre_tokens(encoding, "Stop!!\n\n# Tools")[:3] == ["Stop", "!!\n\n", "#"]
+    assert pre_tokens(encoding, "Stop   \n\n# Tools")[:3] == ["Stop", "   \n\n", "#"]
+
+
+@pytest.mark.parametrize("encoding", sorted(OPENAI_FILES))
+@settings(max_examples=200, deadline=None)
+@given(text=instructions, section=st.sampled_from([0, 1, 2]))
+def test_the_instructions_end_covers_the_join(encoding: str, text: str, section: int) -> None:
+    """The join costs at most the bytes of the instructions' end more than the line break's bytes and each
+    side's own count: the ``Bound`` of ``trailing_run`` covers it."""
+    assert join_excess(encoding, text, sections()[section]) <= len(trailing_run(text).encode())
+
+
+@pytest.mark.parametrize("encoding", sorted(OPENAI_FILES))
+def test_without_the_instructions_end_the_join_is_undercounted(encoding: str) -> None:
+    """Negative control, by an exhaustive search: of the instructions ``Hello`` and up to four ``UNITS``
+    (4,680 of them), some cost more joined to each section than the line break's bytes and each side's own
+    count (``MERGING`` among them); the allowance is above every one."""
+    for section in sections():
+        excess = {}
+        for size in range(1, 5):
+            for units in itertools.product(UNITS, repeat=size):
+                text = "Hello" + "".join(units)
+                excess[text] = join_excess(encoding, text, section)
+        assert excess[MERGING] > 0
+        assert all(value <= len(trailing_run(text).encode()) for text, value in excess.items())
+
+
+@pytest.mark.parametrize("encoding", sorted(OPENAI_FILES))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(data=components_json(images=False), rule=instructions, schema=st.one_of(st.none(), json_schemas))
+def test_the_bound_is_above_the_join_after_instructions_ending_in_a_run(
+    encoding: str, data: dict[str, Any], rule: str, schema: dict[str, Any] | None
+) -> None:
+    """The request's first system message is instructions ending in a generated run: the first system message
+    holds its end as a ``Bound`` after its text, and the bound is above the published framing with the
+    sections after it (and in a message of their own)."""
+    comps = request(dict(data, immutableRules=[rule]), [COOKBOOK_TOOL], schema)
+    pieces, result = count("openai", openai_counter(encoding), comps)
+    run = trailing_run(rule)
+    first = next(
+        (
+            index
+            for index, piece in enumerate(pieces)
+            if isinstance(piece, Text) and piece.bucket == "immutableRules"
+        ),
+        None,
+    )
+    if run:
+        assert first is not None and pieces[first + 2] == Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, run)
+    assert result.total >= max(published_framings(comps, encoding).values())
+
+
+def test_the_instructions_end_is_bounded_only_where_a_section_may_follow() -> None:
+    """Without tools or a response format nothing follows the instructions: no allowance, and the count stays
+    exact."""
+    data = dict(MINIMAL, immutableRules=["Answer briefly!!  "])
+    plain = get_template("openai").render(components(data))
+    assert not any(isinstance(piece, Bound) for piece in plain)
+    _, result = count("openai", openai_counter("o200k_base"), components(data))
+    assert result.method == "EXACT"
+    joined = get_template("openai").render(request(data, [COOKBOOK_TOOL], None))
+    assert joined.count(Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "!!  ")) == 1
+
+
+# ------------------------------------------------------------------------- an assistant's text beside calls
+
+# harmony's channels (its docs/format.md).
+CHANNELS = ("analysis", "commentary", "final")
+
+
+def cost(pieces: list[Piece], encoding: str) -> int:
+    """The bound's count of these pieces: a special 1, a text its tokens, a bound its bytes."""
+    reference = openai_reference(encoding)
+    total = 0
+    for piece in pieces:
+        if isinstance(piece, Special):
+            total += 1
+        elif isinstance(piece, Text):
+            total += len(reference.encode(piece.text, disallowed_special=()))
+        elif isinstance(piece, Bound):
+            total += len(piece.text.encode())
+    return total
+
+
+def assistant_pieces(
+    pieces: tuple[Piece, ...], calls: list[dict[str, str]]
+) -> tuple[list[Piece], list[list[Piece]]]:
+    """The assistant message's pieces: its own (framing, content, channel) and each call's (its ``Bound``,
+    the cut after it and its specials)."""
+    start = next(
+        index
+        for index, piece in enumerate(pieces)
+        if piece == Special("<|im_start|>")
+        and pieces[index + 1] == Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "assistant")
+    )
+    end = pieces.index(Special("<|im_end|>"), start)
+    own = list(pieces[start : end + 1])
+    per_call = []
+    for call in calls:
+        text = call_bound_text(call["id"], call["name"], call["arguments"])
+        index = next(i for i, piece in enumerate(own) if isinstance(piece, Bound) and piece.text == text)
+        per_call.append(own[index : index + 2 + len(CALL_SPECIALS)])
+        del own[index : index + 2 + len(CALL_SPECIALS)]
+    return own, per_call
+
+
+calls_beside_text = st.lists(
+    st.fixed_dictionaries({"name": call_names, "arguments": call_arguments}), min_size=1, max_size=3
+).map(lambda calls: [dict(call, id=f"call_{index}") for index, call in enumerate(calls)])
+
+
+@pytest.mark.parametrize("encoding", sorted(OPENAI_FILES))
+@settings(max_examples=100, deadline=None)
+@given(text=texts, calls=calls_beside_text)
+def test_an_assistants_text_beside_its_calls_is_bounded_by_its_own_message(
+    encoding: str, text: str, calls: list[dict[str, str]]
+) -> None:
+    """Each harmony message of an assistant turn with text and calls is bounded by its own pieces: the text's
+    message, in any of harmony's channels, by the message's framing, content, ``<|channel|>`` and
+    ``TEXT_CHANNEL``; each call's message by its ``Bound`` and specials. Negative control, on every example:
+    without the channel's two pieces the text's message is above its pieces."""
+    data = dict(
+        MINIMAL,
+        recentTurns=[
+            {"turn": 1, "role": "user", "text": "What's the weather?"},
+            {"turn": 2, "role": "assistant", "parts": [{"type": "text", "text": text}], "toolCalls": calls},
+        ],
+    )
+    pieces = get_template("openai").render(components(data))
+    own, per_call = assistant_pieces(pieces, calls)
+    channel = [Special(CHANNEL_SPECIAL), Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, TEXT_CHANNEL)]
+    assert own[-4:] == [*channel, Cut(), Special("<|im_end|>")]
+    encoding_ = harmony()
+    for name in CHANNELS:
+        tokens = encoding_.render(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(name))
+        specials, between = framing(tokens)
+        assert specials == ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]
+        assert "".join(between) == "assistant" + name + text
+        assert harmony_count(tokens, encoding) <= cost(own, encoding)
+    without = [piece for piece in own if piece not in channel]
+    commentary = encoding_.render(
+        Message.from_role_and_content(Role.ASSISTANT, text).with_channel("commentary")
+    )
+    assert cost(without, encoding) < harmony_count(commentary, encoding)
+    for call, pieces_of_call in zip(calls, per_call, strict=True):
+        message = harmony_call(call["name"], call["arguments"], "<|constrain|>json")
+        assert harmony_count(encoding_.render(message), encoding) <= cost(pieces_of_call, encoding)
+
+
+def test_the_channel_bound_is_harmonys_longest_channel() -> None:
+    """``TEXT_CHANNEL``'s bytes bound whichever channel harmony puts the text in."""
+    assert max(CHANNELS, key=lambda name: len(name.encode())) == TEXT_CHANNEL
+
+
+def test_calls_without_text_bring_no_channel() -> None:
+    """An assistant turn of calls alone has no text message in harmony: no channel allowance."""
+    pieces = get_template("openai").render(components(call_request()))
+    assert Bound(TEMPLATE_BUCKET, TEMPLATE_OBJECT, TEXT_CHANNEL) not in pieces
