@@ -193,7 +193,10 @@ def _capped_sql() -> str:
     The accounts are those ``locked`` returns (as they are now, after their lock: their period too); the
     reservation's entries are read in the statement's snapshot, and they are all there: every write of a
     reservation's entries writes its row, which the caller locked before this statement, or which the
-    statement's own UPDATE found unchanged since the caller read it (``unchanged_since``)."""
+    statement's own UPDATE found unchanged since the caller read it (``unchanged_since``). They are read on
+    their own first (``entries``, materialized), so by the reservation's index alone: joined to the locked
+    accounts, the prepared statement's generic plan on a table without statistics also scanned the account's
+    index and read every entry of the account (3 ms at 31,000 entries, growing with the ledger)."""
     running = ", ".join(
         f"COALESCE(p.{column}, 0) + sum(v.{column} * {_unit(column)}) OVER upto AS {column}_s"
         for column in CONSUMED_BALANCES
@@ -211,12 +214,14 @@ def _capped_sql() -> str:
     got = ", ".join(f"c.{column}_applied" for column in CONSUMED_BALANCES)
     scaled = ", ".join(f"v.{column} * {_unit(column)} AS {column}" for column in BALANCES)
     posted = ", ".join(f"sum(e.{column}) AS {column}" for column in CONSUMED_BALANCES)
+    consumed = ", ".join(CONSUMED_BALANCES)
     upto = "PARTITION BY account_id ORDER BY ord ROWS UNBOUNDED PRECEDING"
     return f"""
+entries AS MATERIALIZED (
+    SELECT account_id, period_start, {consumed} FROM ledger_ledgerentry WHERE reservation_id = %s::uuid),
 posted AS (
     SELECT e.account_id, {posted}
-      FROM ledger_ledgerentry AS e JOIN locked AS l ON l.id = e.account_id AND l.period_start = e.period_start
-     WHERE e.reservation_id = %s::uuid
+      FROM entries AS e JOIN locked AS l ON l.id = e.account_id AND l.period_start = e.period_start
      GROUP BY e.account_id),
 run AS (
     SELECT v.ord, v.account_id, v.kind, v.reason, {scaled}, {running}

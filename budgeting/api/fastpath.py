@@ -24,7 +24,7 @@ from django.core import validators
 from rest_framework import fields, serializers
 from rest_framework.validators import ProhibitSurrogateCharactersValidator
 
-from budgeting.api.serializers import StrictSerializer
+from budgeting.api.serializers import RequestSentField, StrictSerializer
 
 _DEFER = object()
 # A serializer's conversion is compiled only when it is DRF's or StrictSerializer's (which refuses unknown
@@ -117,6 +117,8 @@ def _compile(field: fields.Field) -> Check | None:
         return _compile_serializer(field)
     if isinstance(field, fields.BooleanField):
         return lambda value: value if type(value) is bool else _DEFER
+    if type(field) is RequestSentField:
+        return _request_sent
     if isinstance(field, fields.IntegerField):
         return _integer(field)
     if isinstance(field, fields.CharField):
@@ -125,6 +127,15 @@ def _compile(field: fields.Field) -> Check | None:
         allow_empty = field.allow_empty
         return lambda value: dict(value) if type(value) is dict and (value or allow_empty) else _DEFER
     return None
+
+
+def _request_sent(value: Any) -> Any:
+    """``RequestSentField``'s conversion, for the values it accepts."""
+    if value is True:
+        return "yes"
+    if value is False:
+        return "no"
+    return "unknown" if type(value) is str and value == "unknown" else _DEFER
 
 
 def _integer(field: fields.IntegerField) -> Check:

@@ -80,6 +80,11 @@ def _changed(loaded: dict[str, Any], row: models.Model, name: str) -> bool:
     )
 
 
+# The result columns of each statement text ``fetch_rows`` ran: the hot path's texts are fixed and name their
+# columns, and ``cursor.description`` builds an object per column on every call.
+_COLUMNS: dict[str, tuple[str, ...]] = {}
+
+
 def fetch_rows(model: type[_M], sql: str, params: Sequence[Any]) -> list[_M]:
     """``model.objects.raw(sql, params)`` on the hot path's prepared cursor (the statement is prepared once
     per connection and its parameters bound on the server). A column named as one of the model's fields
@@ -88,7 +93,9 @@ def fetch_rows(model: type[_M], sql: str, params: Sequence[Any]) -> list[_M]:
     keeps the values it was read with, so that ``update_sql`` writes only what changed."""
     with prepared_cursor() as cursor:
         cursor.execute(sql, list(params))
-        names = tuple(column.name for column in cursor.description)
+        names = _COLUMNS.get(sql)
+        if names is None:
+            names = _COLUMNS[sql] = tuple(column.name for column in cursor.description)
         rows = cursor.fetchall()
     plan = _read_plan(model, names)
     db = this_connection()

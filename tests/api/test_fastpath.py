@@ -33,6 +33,12 @@ VALID: dict[type, dict[str, Any]] = {
     api.DispatchIn: {"fence": 2, "providerRequestId": "chatcmpl-1", "admittedDigest": "sha256:" + "c" * 64},
     api.UsageIn: {"fence": 1, "usageEventId": "u1", "inputTokens": None, "outputTokens": 5, "final": True},
     api.TopUpIn: {"fence": 1, "topUpId": "top-1", "outputTokens": 200},
+    api.FailIn: {
+        "fence": 1,
+        "reason": "connection refused",
+        "requestSent": "unknown",
+        "usage": {"usageEventId": "u1", "inputTokens": None, "outputTokens": 5},
+    },
 }
 
 ODD_VALUES = st.one_of(
@@ -107,8 +113,24 @@ def test_a_body_drf_would_change_is_left_to_drf():
 
 
 def test_serializers_with_fields_it_does_not_compile_have_no_fast_path():
-    assert fast_validator(api.FailIn) is None  # requestSent: a custom field
+    class Sent(api.RequestSentField):
+        """A subclass may convert otherwise: only RequestSentField itself is compiled."""
+
+    class CustomField(api.FenceIn):
+        requestSent = Sent()
+
+    assert fast_validator(CustomField) is None
     assert fast_validator(api.OutcomeIn) is None  # a list of identifiers
+
+
+def test_request_sent_takes_the_fast_path_with_drfs_values():
+    fast = fast_validator(api.FailIn)
+    assert fast is not None
+    for sent, stored in ((True, "yes"), (False, "no"), ("unknown", "unknown")):
+        body = {"fence": 1, "reason": "connection refused", "requestSent": sent}
+        answered = fast(body)
+        assert answered is not None and answered["requestSent"] == stored
+    assert fast({"fence": 1, "reason": "x", "requestSent": "yes"}) is None
 
 
 def test_a_serializer_with_its_own_conversion_has_no_fast_path():
