@@ -3,10 +3,16 @@
 The order is the protocol:
 
 1. ``POST /api/v1/admissions`` with an ``Idempotency-Key``; a 201 (or a 200 replay) grants a reservation,
-   the exact ``payload`` to send, its ``admittedDigest`` and a lease ``fence``.
-2. ``POST …/dispatch {fence, providerRequestId, admittedDigest}`` **before** any byte goes to the provider,
-   so a crash after the provider call can always be traced to a recorded dispatch. ``providerRequestId``
-   is derived from the reservation id, so every attempt and the reconciler's lookups use the same one.
+   the exact ``payload`` to send, its ``admittedDigest`` and a lease ``fence``. By default
+   (``dispatch_at_admission``) the admission also records the dispatch, under a ``providerRequestId``
+   derived from the ``Idempotency-Key`` (``dispatch: {providerRequestId}``): one call to our API precedes
+   the provider call, and a repeated admission names the same id.
+2. Otherwise (``dispatch_at_admission=False``, or a server that answered the reservation undispatched)
+   ``POST …/dispatch {fence, providerRequestId, admittedDigest}`` **before** any byte goes to the provider,
+   ``providerRequestId`` derived from the reservation id. Either way a crash after the provider call can
+   always be traced to a recorded dispatch, and every attempt and the reconciler's lookups use the same id.
+   What nothing was sent for is released in full: ``/cancel`` before the dispatch is recorded, ``/fail``
+   with ``requestSent: false`` after.
 3. Stream from the provider (OpenAI Chat Completions, ``include_usage``), posting usage deltas
    ``POST …/usage {fence, usageEventId, outputTokens, final: false}`` every N content chunks and renewing
    the lease ``POST …/lease {fence}``; then the final usage ``{inputTokens, outputTokens, final: true}``.
@@ -61,6 +67,7 @@ from tokenbudget_gateway.protocol import (
     Grant,
     parse_time,
     provider_request_id_for,
+    provider_request_id_of_key,
     usage_event_id,
 )
 from tokenbudget_gateway.provider import ChatProvider, ChatStream, ProviderUsage, provider_body
@@ -79,6 +86,8 @@ class GatewayClient:
 
     ``usage_every_chunks``: post a usage delta every N content chunks. ``lease_renew_interval_s``: renew
     the lease this often; by default a third of the lease's remaining time at admission.
+    ``dispatch_at_admission``: the admission records the dispatch (one call to us before the provider call);
+    off, the dispatch is a call of its own.
 
     The lease is renewed between chunks, not from a background thread: a stream stalled for longer than the
     lease loses it, a reclaimer takes over with a higher fence and this client's next write is refused
@@ -93,6 +102,7 @@ class GatewayClient:
         model: str | None = None,
         usage_every_chunks: int = 8,
         lease_renew_interval_s: float | None = None,
+        dispatch_at_admission: bool = True,
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -103,12 +113,19 @@ class GatewayClient:
         self._model = model
         self._usage_every = usage_every_chunks
         self._renew_interval_s = lease_renew_interval_s
+        self._dispatch_at_admission = dispatch_at_admission
         self._monotonic = monotonic
         self._wall_clock = wall_clock
 
     def admit(self, request: Mapping[str, Any], idempotency_key: str) -> Grant:
-        """``POST /api/v1/admissions``. Raises ``AdmissionQueued`` on 202, ``ApiError`` on a rejection,
-        ``ApiUnavailable`` and ``ProtocolViolation`` as their names say."""
+        """``POST /api/v1/admissions`` (with ``dispatch_at_admission``, recording the dispatch under the
+        provider request id derived from ``idempotency_key``). Raises ``AdmissionQueued`` on 202,
+        ``ApiError`` on a rejection, ``ApiUnavailable`` and ``ProtocolViolation`` as their names say."""
+        if self._dispatch_at_admission and "dispatch" not in request:
+            request = {
+                **request,
+                "dispatch": {"providerRequestId": provider_request_id_of_key(idempotency_key)},
+            }
         response = self._api.request("POST", ADMISSIONS_PATH, request, {"Idempotency-Key": idempotency_key})
         if response.status == 202:
             raise AdmissionQueued(response.body)
@@ -167,15 +184,20 @@ class GatewayClient:
             body = provider_body(grant.payload, grant.max_output, self._model)
         except ProtocolViolation:
             with contextlib.suppress(GatewayError):
-                call.post("cancel", {})
+                call.release("the admitted payload cannot be sent")
             raise
         if pause_at is not None:
             pause_at("before_dispatch")
         if die_after == "before_dispatch":
             raise ClientDied("before_dispatch")
         if cancel is not None and cancel.is_set():
-            return call.terminal("cancel", {}, outcome="cancelled", reason="cancelled before dispatch")
-        call.dispatch()
+            return call.terminal(
+                *call.release_body("cancelled before dispatch"),
+                outcome="cancelled",
+                reason="cancelled before dispatch",
+            )
+        if grant.dispatched_as is None:
+            call.dispatch()
         if pause_at is not None:
             pause_at("dispatch")
         if die_after == "dispatch":
@@ -206,7 +228,9 @@ class _Call:
     input_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        self.provider_request_id = provider_request_id_for(self.grant.reservation_id)
+        self.provider_request_id = self.grant.dispatched_as or provider_request_id_for(
+            self.grant.reservation_id
+        )
         self.last_renewed = self.client._monotonic()
         self.renew_every_s = self._renew_interval(self.grant.lease_expires_at)
 
@@ -216,6 +240,16 @@ class _Call:
 
     def post(self, action: str, body: Mapping[str, Any]) -> ApiResponse:
         return self.client._api.request("POST", f"{self.path}/{action}", {"fence": self.grant.fence, **body})
+
+    def release_body(self, reason: str) -> tuple[Literal["fail", "cancel"], dict[str, Any]]:
+        """The call that releases in full what nothing was sent for: ``cancel``, or once the dispatch is
+        recorded (by the admission), ``fail`` with ``requestSent: false``."""
+        if self.grant.dispatched_as is None:
+            return "cancel", {}
+        return "fail", {"reason": reason, "requestSent": False}
+
+    def release(self, reason: str) -> None:
+        self.post(*self.release_body(reason))
 
     def dispatch(self) -> None:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final, Literal, TypeGuard
@@ -12,11 +13,19 @@ from tokenbudget_gateway.transport import ApiResponse
 CallOutcome = Literal["completed", "usage_unknown", "failed", "cancelled", "unsettled"]
 
 ADMISSIONS_PATH: Final = "/api/v1/admissions"
+_PROVIDER_IDS: Final = uuid.UUID("5b0f7c1e-2d6a-4e58-9a43-0c1e7f5d2b90")
 
 
 def provider_request_id_for(reservation_id: str) -> str:
     """The provider request id of a reservation: stable, so retries and lookups all use the same one."""
     return f"tbr-{reservation_id}"
+
+
+def provider_request_id_of_key(idempotency_key: str) -> str:
+    """The provider request id an admission that records its dispatch names: derived from its
+    ``Idempotency-Key`` (a name UUID), so a repeated admission names the same id and the first answer
+    stands."""
+    return f"tbr-{uuid.uuid5(_PROVIDER_IDS, idempotency_key)}"
 
 
 def usage_event_id(provider_request_id: str, seq: int) -> str:
@@ -39,6 +48,9 @@ class Grant:
     replayed: bool
     rung: str = "FULL"
     input_tokens: int | None = None
+    dispatched_as: str | None = None
+    """The provider request id the admission recorded the dispatch under (its answer is ``DISPATCHED``), or
+    ``None``: the gateway records the dispatch itself before the provider call."""
 
     @classmethod
     def from_response(cls, response: ApiResponse) -> Grant:
@@ -59,6 +71,7 @@ class Grant:
         except (KeyError, ValueError) as exc:
             raise ProtocolViolation(f"admission answer lacks a field: {exc}") from exc
         rung, input_tokens = body.get("rung"), tokens.get("input")
+        dispatched_as = body.get("providerRequestId") if body.get("state") == "DISPATCHED" else None
         if not isinstance(reservation_id, str | int) or isinstance(reservation_id, bool):
             raise ProtocolViolation("reservationId is not a string")
         if not is_int(fence) or not isinstance(admitted_digest, str) or not is_int(max_output):
@@ -73,6 +86,7 @@ class Grant:
             replayed=response.headers.get("idempotent-replayed", "").lower() == "true",
             rung=rung if isinstance(rung, str) and rung else "FULL",
             input_tokens=input_tokens if is_int(input_tokens) else None,
+            dispatched_as=dispatched_as if isinstance(dispatched_as, str) and dispatched_as else None,
         )
 
 

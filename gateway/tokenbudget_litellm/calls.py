@@ -19,7 +19,6 @@ import asyncio
 import logging
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,6 +32,7 @@ from tokenbudget_gateway.protocol import (
     is_int,
     parse_time,
     provider_request_id_for,
+    provider_request_id_of_key,
     usage_event_id,
 )
 from tokenbudget_gateway.provider import NOT_PROCESSED_STATUSES
@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 # Our API's identifier pattern: a provider id that does not fit is not used in usage event ids.
 _IDENTIFIER: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,180}")
 _MAX_REASON: Final = 300
-_PROVIDER_IDS: Final = uuid.UUID("5b0f7c1e-2d6a-4e58-9a43-0c1e7f5d2b90")
 
 
 class Refusal(Exception):
@@ -311,7 +310,7 @@ class Calls:
 def provider_request_id_of(request: AdmissionRequest) -> str:
     """The provider request id an admission dispatches under: derived from its ``Idempotency-Key`` (a name
     UUID), so a repeated admission names the same id and the first answer stands."""
-    return f"tbr-{uuid.uuid5(_PROVIDER_IDS, request.idempotency_key)}"
+    return provider_request_id_of_key(request.idempotency_key)
 
 
 def request_sent_of(error: BaseException, chunks_seen: int = 0) -> RequestSent:

@@ -82,12 +82,20 @@ class Platform:
         return ApiClient(base_url or self.api_url, TOKEN, timeout_s=10, retry=FAST_RETRY)
 
     def gateway(
-        self, *, api_url: str | None = None, provider_url: str | None = None, usage_every_chunks: int = 2
+        self,
+        *,
+        api_url: str | None = None,
+        provider_url: str | None = None,
+        usage_every_chunks: int = 2,
+        dispatch_at_admission: bool = True,
     ) -> GatewayClient:
+        """The gateway client; ``dispatch_at_admission=False`` records the dispatch in a call of its own, as a
+        gateway that dies between the two leaves a reservation never dispatched."""
         return GatewayClient(
             self.api(api_url),
             ChatProvider((provider_url or self.sim.base_url) + "/v1", PROVIDER_KEY, timeout_s=10),
             usage_every_chunks=usage_every_chunks,
+            dispatch_at_admission=dispatch_at_admission,
         )
 
     def next_request(self, **kwargs: Any) -> tuple[dict[str, Any], str]:

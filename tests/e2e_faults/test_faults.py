@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from tokenbudget_gateway.client import DiePoint, PausePoint
 from tokenbudget_gateway.errors import ApiError, ClientDied, StaleFence
-from tokenbudget_gateway.protocol import provider_request_id_for
+from tokenbudget_gateway.protocol import provider_request_id_for, provider_request_id_of_key
 
 from budgeting.admission import tasks as admission_tasks
 from budgeting.catalog.models import ModelPool
@@ -63,6 +63,49 @@ def test_a_clean_call_completes_at_exactly_the_billed_usage(platform: Platform, 
     assert assert_clean(sim).compared == 1
 
 
+def test_the_admission_records_the_dispatch_so_one_call_precedes_the_provider_call(
+    platform: Platform, sim: Simulator
+) -> None:
+    proxy = LossyProxy(platform.api_url, lambda path, body: False)
+    try:
+        body, key = platform.next_request()
+        result = platform.gateway(api_url=proxy.url).run(body, idempotency_key=key)
+    finally:
+        proxy.stop()
+    paths = [seen.path.rsplit("/", 1)[-1] for seen in proxy.seen]
+    assert paths[0] == "admissions" and "dispatch" not in paths, paths
+    assert result.outcome == "completed"
+    assert (
+        result.provider_request_id
+        == provider_request_id_of_key(key)
+        != provider_request_id_for(result.reservation_id)
+    )
+    entry = sim.entry(result.provider_request_id)
+    assert entry is not None and entry.status is BillingStatus.COMPLETED
+    r = reservation(result.reservation_id)
+    assert (r.state, r.provider_request_id) == (State.SETTLED, result.provider_request_id)
+    assert LedgerEntry.objects.filter(reservation=r, reason="dispatched at admission").count() == (
+        Hold.objects.filter(reservation=r).count()
+    )
+    assert assert_clean(sim).compared == 1
+
+
+def test_a_call_cancelled_before_it_is_sent_is_released_in_full_when_the_admission_dispatched_it(
+    platform: Platform, sim: Simulator
+) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    body, key = platform.next_request()
+    result = platform.gateway().run(body, idempotency_key=key, cancel=cancel)
+    assert result.outcome == "cancelled" and sim.entry(result.provider_request_id) is None
+    r = reservation(result.reservation_id)
+    assert (r.state, r.outcome, r.input_consumed, r.captured) == (State.SETTLED, Outcome.RELEASED, 0, 0)
+    assert held(result.reservation_id) == {
+        "input_reserved": 0, "output_reserved": 0, "input_consumed": 0, "in_flight": 0,
+    }  # fmt: skip
+    assert_clean(sim)
+
+
 # -- clients that die --------------------------------------------------------------------------------------
 
 
@@ -101,7 +144,9 @@ def test_client_dies_before_recording_dispatch_is_released_in_full_after_the_lea
 ) -> None:
     body, key = platform.next_request()
     with pytest.raises(ClientDied):
-        platform.gateway().run(body, idempotency_key=key, die_after="before_dispatch")
+        platform.gateway(dispatch_at_admission=False).run(
+            body, idempotency_key=key, die_after="before_dispatch"
+        )
     [r] = Reservation.objects.all()
     assert r.state == State.RESERVED and held(str(r.pk))["in_flight"] == 3
     assert tasks.reclaim_expired_leases()["released"] == 0, "the lease has not expired yet"
@@ -274,9 +319,12 @@ def test_a_lost_settlement_response_is_retried_and_the_retry_is_a_no_op(
     if fault is not None:
         sim.script(fault)
     proxy = LossyProxy(platform.api_url, drop)
+    # A lost dispatch answer needs a dispatch call of its own; otherwise the admission records it.
+    own_dispatch = lost == "dispatch"
     try:
         body, key = platform.next_request()
-        result = platform.gateway(api_url=proxy.url).run(body, idempotency_key=key)
+        gateway = platform.gateway(api_url=proxy.url, dispatch_at_admission=not own_dispatch)
+        result = gateway.run(body, idempotency_key=key)
     finally:
         proxy.stop()
     matching = [seen for seen in proxy.seen if drop(seen.path, seen.body)]
@@ -291,8 +339,11 @@ def test_a_lost_settlement_response_is_retried_and_the_retry_is_a_no_op(
     else:
         assert result.outcome == "completed" and (r.state, r.outcome) == (State.SETTLED, Outcome.COMPLETED)
         assert UsageEvent.objects.filter(reservation=r, final=True).count() == 1
-    dispatch_posts = LedgerEntry.objects.filter(reservation=r, kind=EntryKind.POST, reason="dispatched")
-    assert dispatch_posts.count() == accounts, "dispatch applied once"
+    if own_dispatch:
+        dispatched = LedgerEntry.objects.filter(reservation=r, kind=EntryKind.POST, reason="dispatched")
+    else:
+        dispatched = LedgerEntry.objects.filter(reservation=r, reason="dispatched at admission")
+    assert dispatched.count() == accounts, "dispatch applied once"
     assert LedgerEntry.objects.filter(reservation=r, kind=EntryKind.RELEASE).count() == accounts
     assert_clean(sim)
 
@@ -369,7 +420,8 @@ def leave_a_mess(platform: Platform, sim: Simulator, each: int) -> dict[str, lis
         "no_final_usage": [],
         "died_mid_stream": [],
     }
-    gateway = platform.gateway()
+    # Dispatch in a call of its own: a gateway that dies before it leaves a reservation never dispatched.
+    gateway = platform.gateway(dispatch_at_admission=False)
     for _ in range(each):
         for kind in kinds:
             body, key = platform.next_request()
