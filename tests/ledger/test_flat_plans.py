@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from budgeting.db.cursor import prepared_cursor
 from ledger.models import CapacityAccount, Reservation
 from ledger.services import lifecycle
 from tests.ledger.helpers import admit, catalog, now, pool_account, spec, tenant_account
@@ -117,22 +116,20 @@ def test_a_failure_touches_as_many_pages_with_a_long_history_as_without(new_conn
 
 
 def test_the_count_sees_a_read_of_the_accounts_history(new_connection_after):
-    """Negative control: the join the statement once made, planned the same way, is seen reading the
-    account's history."""
+    """Negative control: a read of the account's entries by its index is counted, hundreds of pages. It is
+    what the statement's old join chose on a table without statistics (393 pages of the account index on the
+    development machine, where the first test fails on that statement); it is forced here, since whether a
+    planner chooses it depends on the statistics it has (the embedded servers' autovacuum makes some)."""
     cat = catalog()
     tenant = tenant_account(cat, input_limit=10**9, output_limit=10**9, concurrency_limit=10)
-    r = dispatched(cat)
     add_history(tenant, HISTORY)
-    generic_plans()
-    joined = (
-        "SELECT e.account_id, sum(e.input_consumed) FROM ledger_ledgerentry e"
-        " JOIN ledger_capacityaccount l ON l.id = e.account_id AND l.period_start = e.period_start"
-        " WHERE e.reservation_id = %s AND l.id = ANY(%s) GROUP BY e.account_id"
-    )
-    with prepared_cursor() as cursor:
-        cursor.execute(joined, [r.pk, [tenant.pk]])
+    with connection.cursor() as cursor:
+        cursor.execute("SET enable_seqscan = off")
     before = pages()
-    with prepared_cursor() as cursor:
-        cursor.execute(joined, [r.pk, [tenant.pk]])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT sum(input_consumed) FROM ledger_ledgerentry WHERE account_id = %s", [tenant.pk]
+        )
+        assert cursor.fetchone()[0] == HISTORY
     after = pages()
     assert after[0] - before[0] > 100, (before, after)
