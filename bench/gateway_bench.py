@@ -96,7 +96,8 @@ def serve_api(url: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     model = ["--worker-class", "gthread", "--threads", "4"] if server == "gthread" else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "-b", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--config",
+         "python:budgeting.gunicorn_conf", "-b", f"127.0.0.1:{port}",
          "-w", "2", *model, "--log-level", "warning"],
         env={**os.environ, "DATABASE_URL": url}, cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

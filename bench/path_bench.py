@@ -215,6 +215,8 @@ def serve(url: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
             "-m",
             "gunicorn",
             "budgeting.wsgi:application",
+            "--config",
+            "python:budgeting.gunicorn_conf",
             "-b",
             f"127.0.0.1:{port}",
             "-w",

@@ -1,7 +1,9 @@
-"""gunicorn settings the launcher passes with ``-c``: multiprocess-safe metrics, no control socket."""
+"""gunicorn settings the launcher passes with ``-c``: multiprocess-safe metrics, no control socket, and each
+worker's tokenizers loaded before it serves."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 # The control socket (gunicorn >= 24) sits at one path per user: the launcher's two masters, or two
@@ -9,8 +11,30 @@ from typing import Any
 control_socket_disable = True
 
 
+def post_worker_init(worker: Any) -> None:
+    """Before a new worker takes its first request: read the catalog and load the tokenizer files it
+    provisions. Each is otherwise loaded by the first count that needs it, in that request: 0.1–0.2 s for a
+    tiktoken or DeepSeek file, 0.8 s for Mistral's tekken, on every worker after every start. A catalog that
+    cannot be read (the database down at boot) is left to the first request, as before."""
+    from django.db import DatabaseError, connection
+
+    from budgeting.catalog import snapshot
+
+    try:
+        catalog, _ = snapshot.current()
+        loaded = catalog.load_tokenizers()
+    except DatabaseError as exc:
+        worker.log.warning("catalog not read before the first request: %s", exc)
+        return
+    finally:
+        # Opened on this thread for the read; a threaded worker serves requests on others.
+        connection.close()
+    worker.log.info("tokenizers loaded before the first request: %s", ", ".join(loaded) or "none")
+
+
 def child_exit(server: Any, worker: Any) -> None:
     """A dead worker's live gauges must stop counting (prometheus_client multiprocess mode)."""
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(worker.pid)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # unset: single-process metrics, nothing to mark
+        multiprocess.mark_process_dead(worker.pid)

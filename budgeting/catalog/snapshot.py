@@ -249,6 +249,19 @@ class Snapshot:
             family, Path(settings.TOKENIZER_DIR) / file_name, expected_digest=spec.tokenizer_digest
         )
 
+    def load_tokenizers(self) -> list[str]:
+        """Load every tokenizer file this catalog provisions, as the first count of each would (a file is read
+        once per process); return the names of those loaded. A file that cannot be loaded is left to that
+        first count, which answers it as counting unavailable."""
+        loaded = []
+        for digest, (file_name, family) in self.tokenizer_files.items():
+            try:
+                load_counter(family, Path(settings.TOKENIZER_DIR) / file_name, expected_digest=digest)
+            except CountingUnavailable:
+                continue
+            loaded.append(file_name)
+        return loaded
+
     def _served(self, name: str, pool: ModelPool) -> ModelRevision | None:
         model = self.models.get(name)
         return model if model is not None and pool.pk in self.model_pools.get(name, ()) else None
