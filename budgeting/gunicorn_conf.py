@@ -15,19 +15,19 @@ def post_worker_init(worker: Any) -> None:
     """Before a new worker takes its first request: import the URL configuration (and so every view and what
     they import: about 40 ms), read the catalog and load the tokenizer files it provisions. Each is otherwise
     loaded by the first request that needs it, inside it: 0.1–0.2 s for a tiktoken or DeepSeek file, 0.8 s for
-    Mistral's tekken, on every worker after every start. A catalog that cannot be read (the database down at
-    boot) is left to the first request, as before."""
-    from django.db import DatabaseError, connection
+    Mistral's tekken, on every worker after every start. Nothing here may keep a worker from serving: what
+    fails (the database down at boot, say) is logged and left to the first request, as before."""
+    from django.db import connection
     from django.urls import get_resolver
 
     from budgeting.catalog import snapshot
 
-    get_resolver().resolve("/api/v1/")
     try:
+        get_resolver().resolve("/api/v1/")
         catalog, _ = snapshot.current()
         loaded = catalog.load_tokenizers()
-    except DatabaseError as exc:
-        worker.log.warning("catalog not read before the first request: %s", exc)
+    except Exception as exc:  # a warm-up: the request that needs it meets the error as it would have
+        worker.log.warning("not warmed before its first request: %s", exc)
         return
     finally:
         # Opened on this thread for the read; a threaded worker serves requests on others.

@@ -89,7 +89,7 @@ def test_a_catalog_that_cannot_be_read_is_left_to_the_first_request(
     monkeypatch.setattr(snapshot, "current", down)
     worker = SimpleNamespace(log=Log())
     gunicorn_conf.post_worker_init(worker)
-    assert worker.log.lines == [("warning", "catalog not read before the first request: connection refused")]
+    assert worker.log.lines == [("warning", "not warmed before its first request: connection refused")]
 
 
 def test_a_file_that_cannot_be_loaded_is_left_to_its_first_count(
