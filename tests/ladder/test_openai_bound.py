@@ -152,6 +152,16 @@ def response_format_section(schema: dict[str, Any]) -> str:
     )
 
 
+def hidden_sections(payload: dict[str, Any]) -> str:
+    """The payload's tools and response-format sections as harmony writes them, joined (empty if none)."""
+    sections = []
+    if payload.get("tools"):
+        sections.append(harmony_tools_section([tool["function"] for tool in payload["tools"]]))
+    if "response_format" in payload:
+        sections.append(response_format_section(payload["response_format"]["json_schema"]["schema"]))
+    return "\n\n".join(sections)
+
+
 def num_tokens_for_tools(
     functions: list[dict[str, Any]], entries: list[dict[str, Any]], encoding: Any
 ) -> int:
@@ -214,12 +224,7 @@ def published_framings(comps: Components, encoding_name: str) -> dict[str, int]:
     reference = openai_reference(encoding_name)
     payload: dict[str, Any] = get_template("openai").payload(comps)
     shown = payload["messages"]
-    sections = []
-    if payload.get("tools"):
-        sections.append(harmony_tools_section([tool["function"] for tool in payload["tools"]]))
-    if "response_format" in payload:
-        sections.append(response_format_section(payload["response_format"]["json_schema"]["schema"]))
-    section = "\n\n".join(sections)
+    section = hidden_sections(payload)
     own = (
         num_tokens_from_messages(shown, reference)
         + 3
@@ -516,12 +521,7 @@ def harmony_conversations(comps: Components, encoding_name: str) -> dict[str, in
     names = {
         call["id"]: call["function"]["name"] for entry in entries for call in entry.get("tool_calls") or ()
     }
-    sections = []
-    if payload.get("tools"):
-        sections.append(harmony_tools_section([tool["function"] for tool in payload["tools"]]))
-    if "response_format" in payload:
-        sections.append(response_format_section(payload["response_format"]["json_schema"]["schema"]))
-    section = "\n\n".join(sections)
+    section = hidden_sections(payload)
     out = {}
     for placement in ("own message", "appended"):
         rendered = []

@@ -14,6 +14,7 @@ from django.db import connection
 from budgeting.catalog.models import ModelPool, ModelRevision, TaskClass, Tenant
 from ledger.models import CapacityAccount, Reservation, Scope
 from ledger.services import admission as ledger_admission
+from ledger.services import lifecycle
 from tests.factories import (
     AccountFactory,
     ModelPoolFactory,
@@ -112,3 +113,17 @@ def run_concurrently(workers: int, task: Callable[[int], Any]) -> list[Any]:
     for t in threads:
         t.join(timeout=120)
     return results
+
+
+def fail_unsent(r: Reservation, cat: Catalog) -> Callable[[], Reservation]:
+    """A failure with proof of non-processing: its input refund is capped in the one statement (what the
+    reservation posted in each account's period is read there), so it takes the unlocked path too."""
+    return lambda: lifecycle.fail(
+        reservation_id=r.pk,
+        tenant_ids=[cat.tenant.pk],
+        fence=1,
+        reason="connection refused",
+        request_sent=lifecycle.RequestSent.NO,
+        usage=None,
+        now=now(),
+    )

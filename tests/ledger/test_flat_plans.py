@@ -16,7 +16,7 @@ from django.db import connection
 
 from ledger.models import CapacityAccount, Reservation
 from ledger.services import lifecycle
-from tests.ledger.helpers import admit, catalog, now, pool_account, spec, tenant_account
+from tests.ledger.helpers import admit, catalog, fail_unsent, now, pool_account, spec, tenant_account
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -56,17 +56,9 @@ def dispatched(cat: Any) -> Reservation:
 
 def failed_pages(cat: Any) -> tuple[int, int]:
     """The pages one ``fail`` (never processed: a full release and refund) touched."""
-    r = dispatched(cat)
+    fail = fail_unsent(dispatched(cat), cat)
     before = pages()
-    lifecycle.fail(
-        reservation_id=r.pk,
-        tenant_ids=[cat.tenant.pk],
-        fence=1,
-        reason="connection refused",
-        request_sent=lifecycle.RequestSent.NO,
-        usage=None,
-        now=now(),
-    )
+    fail()
     after = pages()
     return after[0] - before[0], after[1] - before[1]
 

@@ -18,7 +18,16 @@ from ledger.models import CapacityAccount, LedgerEntry, Reservation, State, TopU
 from ledger.selectors import audit
 from ledger.services import lifecycle, postings
 from tests.dbwork import second_connection
-from tests.ledger.helpers import admit, catalog, now, pool_account, run_concurrently, spec, tenant_account
+from tests.ledger.helpers import (
+    admit,
+    catalog,
+    fail_unsent,
+    now,
+    pool_account,
+    run_concurrently,
+    spec,
+    tenant_account,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -246,20 +255,6 @@ def test_a_refused_top_up_inside_a_test_transaction_answers_quota_exceeded(cat):
             now=now(),
         )
     assert Reservation.objects.get(pk=r.pk).top_ups == 0
-
-
-def fail_unsent(r: Reservation, cat: Any) -> Callable[[], Reservation]:
-    """A failure with proof of non-processing: its input refund is capped in the one statement (what the
-    reservation posted in each account's period is read there), so it takes the unlocked path too."""
-    return lambda: lifecycle.fail(
-        reservation_id=r.pk,
-        tenant_ids=[cat.tenant.pk],
-        fence=1,
-        reason="connection refused",
-        request_sent=lifecycle.RequestSent.NO,
-        usage=None,
-        now=now(),
-    )
 
 
 def test_a_refund_on_an_unchanged_row_takes_the_unlocked_path_only(monkeypatch, cat):
