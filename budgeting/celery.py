@@ -6,7 +6,7 @@ import logging.config
 import os
 
 from celery import Celery
-from celery.signals import beat_init, setup_logging, worker_process_init
+from celery.signals import beat_init, setup_logging, task_postrun, worker_process_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
 
@@ -47,3 +47,11 @@ def start_tracing(**kwargs: object) -> None:
     from budgeting.observability import tracing
 
     tracing.start()
+
+
+@task_postrun.connect(weak=False)
+def flush_held_counts(**kwargs: object) -> None:
+    """The counts a task learned go to Redis once it has run, as a request's do once it is answered."""
+    from budgeting.admission.count_cache import flush_held_counts
+
+    flush_held_counts()

@@ -12,10 +12,11 @@ def redis_db():
 
     client = redis_client()
     client.ping()
+    count_cache().forget_local()
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)
-    count_cache().forget_local()
     yield client
+    count_cache().shared.discard_held()
     for key in client.scan_iter(match="tc:*"):
         client.delete(key)
 

@@ -44,73 +44,123 @@ class RedisCountCache:
 
     Only a cache: while Redis is down every segment is a miss and the tokenizer counts it (exact, slower);
     the counting-unavailable rule of the policy is for when the tokenizer itself cannot count.
+
+    Writes are held until ``flush``, which the API calls once its answer is sent (``request_finished``) and
+    a Celery task once it has run, so an admission never waits on a write it does not need: sending one was
+    0.1-0.4 ms of a cold count here. A read sends the writes held so far behind its own commands, in the
+    same packet, so this process's next read after them sees them.
     """
 
     # One command for all of a count's new keys, each with its expiry: a pipeline of one SET per key costs
     # redis-py several times as much to pack and to read back (about 6 ms against 2 for 200 keys here).
-    SET_WITH_EXPIRY = "for i, key in ipairs(KEYS) do redis.call('SET', key, ARGV[i], 'EX', ARGV[#ARGV]) end"
+    SET_WITH_EXPIRY = (
+        "local ttl = ARGV[#ARGV] for i, key in ipairs(KEYS) do redis.call('SET', key, ARGV[i], 'EX', ttl) end"
+    )
 
     def __init__(self, client: redis.Redis | None = None, ttl_seconds: int | None = None) -> None:
         self.client = client or redis_client()
         self.ttl = ttl_seconds or settings.COUNT_CACHE_TTL_SECONDS
+        self._held: dict[str, int] = {}
+        self._held_lock = threading.Lock()
 
     def get_many(self, keys: Sequence[str]) -> list[int | None]:
-        """The counts of ``keys`` (``None`` for a miss). The MGET is followed, in the same round trip, by an
-        ECHO of a value never sent before: a reply left unread on the connection (a server that ignored a
-        write's CLIENT REPLY SKIP, see ``set_many``) would shift the answers, and the ECHO's would not be
-        that value. Such a read is a failure, never a count: the pool's connections are dropped and the
-        writes of this process wait for their replies from then on."""
+        """The counts of ``keys`` (``None`` for a miss), the writes held answering for theirs.
+
+        The MGET is followed, in the same round trip, by an ECHO of a value never sent before: a reply left
+        unread on the connection (a server that ignored a write's CLIENT REPLY SKIP, see ``flush``) would
+        shift the answers, and the ECHO's would not be that value. Such a read is a failure, never a count:
+        the pool's connections are dropped and the writes of this process wait for their replies from then
+        on. The writes held go behind the ECHO: Redis runs a connection's commands in order, and the read's
+        answer does not wait for theirs.
+        """
         global _reply_skip
         if not keys or time.monotonic() < _skip_until:
             return [None] * len(keys)
         nonce = uuid.uuid4().hex
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.mget(list(keys))
-            pipe.echo(nonce)
-            values, echoed = pipe.execute()
-            if echoed != nonce.encode() or not isinstance(values, list) or len(values) != len(keys):
-                _reply_skip = False
-                self.client.connection_pool.disconnect()
-                raise redis.ResponseError("count cache: a reply was out of step; writes now wait for theirs")
-        except redis.RedisError as exc:
-            _redis_failed(exc)
-            return [None] * len(keys)
-        return [None if v is None else int(v) for v in values]
-
-    def set_many(self, mapping: Mapping[str, int]) -> None:
-        """Send the counts with their expiry, without waiting for Redis to store them.
-
-        A count does not need the write's answer: ``CLIENT REPLY SKIP`` (Redis 3.2 and later, spoken to
-        directly, not through a proxy that drops it) tells Redis to send none, so the count returns once the
-        command is sent. Waiting for it was the largest part of what a cold count added to its tokenizer's
-        time: about 0.8 ms of the 2-3 ms for count_bench's 188 segments, where sending takes about 0.12 ms.
-        The connection goes back to the pool with no reply pending, and the commands of one connection run
-        in order, so what this process asks next on it sees the write. The body is sent (EVAL), not its
-        digest: a skipped reply could not say that Redis no longer knows the script, and Redis keeps the
-        compiled body. A refused write (Redis out of memory) goes unseen; a connection that fails does not,
-        and Redis is skipped for a while, as after a failed read. Once a read found a reply out of step
-        (``get_many``), the writes wait for their replies.
-        """
-        if not mapping or time.monotonic() < _skip_until:
-            return
-        keys = list(mapping)
-        write = ("EVAL", self.SET_WITH_EXPIRY, len(keys), *keys, *mapping.values(), self.ttl)
-        if not _reply_skip:
-            try:
-                self.client.execute_command(*write)
-            except redis.RedisError as exc:
-                _redis_failed(exc)
-            return
+        if _reply_skip:
+            held = self._take_held()
+            writes = self._writes(held, skip_reply=True)
+        else:
+            self.flush()
+            held, writes = {}, []
         pool = self.client.connection_pool
         try:
             connection = pool.get_connection()
             try:
-                connection.send_packed_command(connection.pack_commands([("CLIENT", "REPLY", "SKIP"), write]))
+                connection.send_packed_command(
+                    connection.pack_commands([("MGET", *keys), ("ECHO", nonce), *writes])
+                )
+                values = connection.read_response()
+                echoed = connection.read_response()
+            except BaseException:
+                connection.disconnect()
+                raise
+            finally:
+                pool.release(connection)
+            if echoed != nonce.encode() or not isinstance(values, list) or len(values) != len(keys):
+                _reply_skip = False
+                pool.disconnect()
+                raise redis.ResponseError("count cache: a reply was out of step; writes now wait for theirs")
+        except redis.RedisError as exc:
+            _redis_failed(exc)
+            values = [None] * len(keys)
+        counts = [None if v is None else int(v) for v in values]
+        if held:
+            counts = [held.get(key, count) for key, count in zip(keys, counts, strict=True)]
+        return counts
+
+    def set_many(self, mapping: Mapping[str, int]) -> None:
+        """Hold the counts for the next ``flush`` or read: nothing is sent now."""
+        if not mapping:
+            return
+        with self._held_lock:
+            self._held.update(mapping)
+
+    def discard_held(self) -> None:
+        """Forget the writes not sent yet (the active policy moved: SPEC §6 clears what was counted)."""
+        with self._held_lock:
+            self._held.clear()
+
+    def flush(self) -> None:
+        """Send the writes held, with their expiry, without waiting for Redis to store them.
+
+        A count does not need the write's answer: ``CLIENT REPLY SKIP`` (Redis 3.2 and later, spoken to
+        directly, not through a proxy that drops it) tells Redis to send none, so this returns once the
+        command is sent. The connection goes back to the pool with no reply pending, and the commands of one
+        connection run in order, so what this process asks next on it sees the write. The body is sent
+        (EVAL), not its digest: a skipped reply could not say that Redis no longer knows the script, and
+        Redis keeps the compiled body. A refused write (Redis out of memory) goes unseen; a connection that
+        fails does not, and Redis is skipped for a while, as after a failed read. Once a read found a reply
+        out of step (``get_many``), the writes wait for their replies.
+        """
+        writes = self._writes(self._take_held(), skip_reply=_reply_skip)
+        if not writes:
+            return
+        pool = self.client.connection_pool
+        try:
+            if not _reply_skip:
+                self.client.execute_command(*writes[0])
+                return
+            connection = pool.get_connection()
+            try:
+                connection.send_packed_command(connection.pack_commands(writes))
             finally:
                 pool.release(connection)
         except redis.RedisError as exc:
             _redis_failed(exc)
+
+    def _take_held(self) -> dict[str, int]:
+        """The counts held, which are no longer held."""
+        with self._held_lock:
+            held, self._held = self._held, {}
+        return held
+
+    def _writes(self, held: Mapping[str, int], *, skip_reply: bool) -> list[tuple[object, ...]]:
+        """The commands that write ``held`` (none while Redis is skipped), the reply skipped or not."""
+        if not held or time.monotonic() < _skip_until:
+            return []
+        write = ("EVAL", self.SET_WITH_EXPIRY, len(held), *held, *held.values(), self.ttl)
+        return [("CLIENT", "REPLY", "SKIP"), write] if skip_reply else [write]
 
     def clear_prefix(self, prefix: str) -> int:
         """Delete every cached count whose key starts with ``prefix``; returns how many."""
@@ -148,11 +198,13 @@ class LayeredCountCache:
             if revision != self.policy_revision:
                 self.local.clear()
                 self.texts.clear()
+                self.shared.discard_held()
                 self.policy_revision = revision
         return self
 
     def forget_local(self) -> None:
-        """Drop both local layers (Redis keeps its counts)."""
+        """Send the writes held to Redis, then drop both local layers (Redis keeps its counts)."""
+        self.shared.flush()
         with self.lock:
             self.local.clear()
         self.texts.clear()
@@ -189,3 +241,10 @@ def count_cache() -> LayeredCountCache:
     return LayeredCountCache(
         RedisCountCache(), settings.COUNT_CACHE_LOCAL_ENTRIES, settings.COUNT_CACHE_LOCAL_CHARS
     )
+
+
+def flush_held_counts(**_: object) -> None:
+    """Send the counts this process holds for Redis (``RedisCountCache.flush``), if it has a count cache: the
+    receiver of ``request_finished`` and of Celery's ``task_postrun``."""
+    if count_cache.cache_info().currsize:
+        count_cache().shared.flush()

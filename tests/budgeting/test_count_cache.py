@@ -10,9 +10,12 @@ import redis
 from budgeting.admission.count_cache import LayeredCountCache, RedisCountCache
 
 
-def test_counts_are_written_to_redis_with_their_expiry(redis_db: Any) -> None:
+def test_counts_are_held_then_written_to_redis_with_their_expiry(redis_db: Any) -> None:
     cache = RedisCountCache(redis_db, ttl_seconds=120)
     cache.set_many({"tc:test:a": 3, "tc:test:b": 0})
+    assert redis_db.exists("tc:test:a", "tc:test:b") == 0, "held: nothing sent before the flush"
+    cache.flush()
+    assert redis_db.mget(["tc:test:a", "tc:test:b"]) == [b"3", b"0"]
     assert cache.get_many(["tc:test:a", "tc:test:b", "tc:test:c"]) == [3, 0, None]
     assert 0 < redis_db.ttl("tc:test:a") <= 120
     assert 0 < redis_db.ttl("tc:test:b") <= 120
@@ -27,11 +30,56 @@ def test_a_write_waits_for_no_reply_and_leaves_none_pending(redis_db: Any) -> No
     connection_id = client.client_id()
     for n in range(3):
         cache.set_many({"tc:test:a": n, "tc:test:b": n + 1})
+        cache.flush()
         assert client.echo(f"after write {n}") == f"after write {n}".encode()
         assert cache.get_many(["tc:test:a", "tc:test:b"]) == [n, n + 1]
         assert 0 < client.ttl("tc:test:a") <= 60
         assert client.client_id() == connection_id
     pool.disconnect()
+
+
+def test_a_read_answers_the_writes_held_and_sends_them_behind_its_own(redis_db: Any) -> None:
+    pool = redis.ConnectionPool(max_connections=1, **redis_db.connection_pool.connection_kwargs)
+    client: Any = redis.Redis(connection_pool=pool)
+    cache = RedisCountCache(client, ttl_seconds=60)
+    client.set("tc:test:b", 2)
+    cache.set_many({"tc:test:a": 1})
+    assert cache.get_many(["tc:test:a", "tc:test:b", "tc:test:c"]) == [1, 2, None]
+    # Sent in the read's packet, after its MGET and ECHO, with its reply skipped: the connection is in step.
+    assert client.echo("after the read") == b"after the read"
+    assert client.get("tc:test:a") == b"1" and 0 < client.ttl("tc:test:a") <= 60
+    assert cache.get_many(["tc:test:a"]) == [1]
+    pool.disconnect()
+
+
+def test_the_api_sends_the_counts_it_held_once_its_answer_is_out(redis_db: Any, client: Any) -> None:
+    from budgeting.admission.count_cache import count_cache
+
+    count_cache().set_many({"tc:test:a": 4})
+    assert redis_db.exists("tc:test:a") == 0
+    assert client.get("/api/v1/").status_code in (200, 401)
+    assert redis_db.get("tc:test:a") == b"4"
+
+
+def test_a_celery_task_sends_the_counts_it_held_once_it_has_run(redis_db: Any) -> None:
+    from budgeting.admission.count_cache import count_cache
+    from budgeting.celery import app
+
+    @app.task(name="tests.hold_a_count")
+    def hold_a_count() -> None:
+        count_cache().set_many({"tc:test:t": 6})
+
+    hold_a_count.apply()
+    assert redis_db.get("tc:test:t") == b"6"
+
+
+def test_a_move_of_the_active_policy_forgets_the_writes_held(redis_db: Any) -> None:
+    layered = LayeredCountCache(RedisCountCache(redis_db, ttl_seconds=60), 100, 1_000)
+    layered.under_policy(7)
+    layered.set_many({"tc:test:a": 3})
+    layered.under_policy(8)
+    layered.shared.flush()
+    assert redis_db.exists("tc:test:a") == 0
 
 
 def test_a_move_of_the_active_policy_drops_both_local_layers() -> None:
@@ -86,7 +134,8 @@ def test_a_reply_left_on_the_connection_is_never_read_as_counts(redis_db: Any, m
     assert count_cache._reply_skip is False
     monkeypatch.setattr(count_cache, "_skip_until", 0.0)
     assert cache.get_many(["tc:test:a", "tc:test:b"]) == [1, 2]  # a new connection, in step
-    cache.set_many({"tc:test:a": 5})  # waits for its reply: nothing is left pending
+    cache.set_many({"tc:test:a": 5})
+    cache.flush()  # waits for its reply: nothing is left pending
     assert client.echo("next") == b"next"
     assert cache.get_many(["tc:test:a"]) == [5]
     pool.disconnect()
