@@ -52,6 +52,17 @@ def test_a_read_answers_the_writes_held_and_sends_them_behind_its_own(redis_db: 
     pool.disconnect()
 
 
+def test_while_redis_is_skipped_the_writes_held_still_answer(monkeypatch: Any) -> None:
+    from budgeting.admission import count_cache
+
+    cache = RedisCountCache(redis.Redis(port=1), ttl_seconds=60)  # never reached
+    monkeypatch.setattr(count_cache, "_skip_until", float("inf"))
+    cache.set_many({"tc:test:a": 1})
+    assert cache.get_many(["tc:test:a", "tc:test:b"]) == [1, None]
+    cache.flush()  # dropped while Redis is skipped: nothing is kept without bound
+    assert cache.get_many(["tc:test:a"]) == [None]
+
+
 def test_the_api_sends_the_counts_it_held_once_its_answer_is_out(redis_db: Any, client: Any) -> None:
     from budgeting.admission.count_cache import count_cache
 
