@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from ladder.components import Components, Limits
 from ladder.counting import (
+    Count,
     CountingUnavailable,
     CountMethod,
     MemoryCountCache,
@@ -27,10 +28,11 @@ from ladder.parser import parse_components
 from ladder.policy import TaskPolicy
 from ladder.rungs import ModelSpec, minimum_evidence_ids
 from ladder.templates import Image, Piece, get_template, stream_text
+from ladder.walk import Target
 from ladder.wire import decision_manifest, decision_response
 
 from .conftest import counter_for, models
-from .fixtures import ALL_RUNGS, FIXTURES, fixture, task_policy
+from .fixtures import ALL_RUNGS, FIXTURES, Gen, base_components, evidence_item, fixture, task_policy
 from .strategies import components_json
 
 MAX_OUTPUT = 1000
@@ -319,6 +321,38 @@ def test_trim_evidence_drops_lowest_ranked_first_and_no_more_than_needed(
     last = next(item for item in original.evidence if item.id == removed[-1])
     fewer = replace(decision.components, evidence=(*decision.components.evidence, last))
     assert full_tokens(fewer) > decision.budget
+    check_invariants(decision, original, policy, tokenizers)
+
+
+@pytest.mark.parametrize("share", [0.15, 0.5, 0.9, 0.995])
+def test_trim_finds_the_fewest_that_fit_in_a_few_recounts(
+    share: float, monkeypatch: pytest.MonkeyPatch, tokenizers: dict[str, Tokenizer]
+) -> None:
+    gen = Gen(11)
+    data = base_components(gen)
+    data["evidence"] = [evidence_item(gen, i, size=30 + 7 * (i % 5)) for i in range(64)]
+    original = parse_components(data, limits=LIMITS)
+    policy = task_policy(ladder=ladder("TRIM_EVIDENCE"))
+    full = full_tokens(data)
+    recounts: list[int] = []
+    count = Target.count
+
+    def counting(self: Target, state: Components) -> Count:
+        recounts.append(len(state.evidence))
+        return count(self, state)
+
+    monkeypatch.setattr(Target, "count", counting)
+    decision = run(data, budget=int(full * share), policy=policy)
+    monkeypatch.undo()
+    assert decision.admitted and decision.rung == "TRIM_EVIDENCE"
+    # The fewest that fit: keeping the last item removed would not.
+    removed = [item.id for item in decision.removed]
+    last = next(item for item in original.evidence if item.id == removed[-1])
+    assert full_tokens(replace(decision.components, evidence=(*decision.components.evidence, last))) > (
+        decision.budget
+    )
+    # The full count, then the trim's: bisection over 64 items alone takes 7 recounts.
+    assert recounts[0] == 64 and len(recounts) - 1 <= 3, recounts
     check_invariants(decision, original, policy, tokenizers)
 
 
