@@ -141,11 +141,6 @@ class EvidenceItem:
     permissions: frozenset[str]
     minimum_retention: bool
 
-    @property
-    def content_digest(self) -> str:
-        """Digest of the content parts only (not id, source, score or permissions)."""
-        return parts_digest(self.parts)
-
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -272,11 +267,6 @@ class Limits:
 
 # ---------------------------------------------------------------------------------------------------- digests
 # The request form of each value: what its bucket's digest is taken of.
-
-
-def parts_digest(parts: Parts) -> str:
-    """The content digest of ``parts`` (a cold 80k-token count takes 200 of these)."""
-    return canonical_digest(parts_json(parts))
 
 
 def parts_json(parts: Parts) -> list[dict[str, object]]:

@@ -19,7 +19,6 @@ from ladder.components import (
     bucket_digests,
     canonical_digest,
     canonical_json,
-    parts_digest,
     parts_json,
     sha256_digest,
 )
@@ -399,26 +398,37 @@ def test_limits(limits: Limits, mutate: Mutation, path: str | None, code: str) -
     assert caught.value.code == code
 
 
-@given(
-    st.lists(
-        st.one_of(
-            st.builds(TextPart, st.text()),
-            st.builds(ImagePart, st.integers(1, 32_768), st.integers(1, 32_768)),
-        ),
-        max_size=4,
-    )
+PARTS = st.lists(
+    st.one_of(
+        st.builds(TextPart, st.text()),
+        st.builds(ImagePart, st.integers(1, 32_768), st.integers(1, 32_768)),
+    ),
+    max_size=4,
 )
-def test_the_parts_digest_is_the_canonical_json_digest(parts: list[Any]) -> None:
+
+
+@given(PARTS)
+def test_the_digest_of_content_parts_is_the_canonical_json_digest(parts: list[Any]) -> None:
     """orjson writes content parts byte for byte as canonical_json does (any text, control characters,
-    U+2028, astral planes), so stored content digests keep their values; a lone surrogate is refused alike."""
+    U+2028, astral planes), so stored bucket digests keep their values; a lone surrogate is refused alike."""
     parts_tuple = tuple(parts)
     try:
         expected = sha256_digest(canonical_json(parts_json(parts_tuple)))
     except UnicodeEncodeError:
         with pytest.raises(UnicodeEncodeError):
-            parts_digest(parts_tuple)
+            canonical_digest(parts_json(parts_tuple))
         return
-    assert parts_digest(parts_tuple) == expected
+    assert canonical_digest(parts_json(parts_tuple)) == expected
+
+
+@given(PARTS, PARTS, st.booleans())
+def test_content_parts_are_equal_exactly_when_their_json_is(a: list[Any], b: list[Any], same: bool) -> None:
+    """DEDUP_EVIDENCE compares items' parts as values: the same copies as comparing their JSON."""
+    first, second = tuple(a), tuple(a) if same else tuple(b)
+    as_json = _standard_library(parts_json(first)) == _standard_library(parts_json(second))
+    assert (first == second) is as_json
+    if as_json:
+        assert hash(first) == hash(second)
 
 
 def _standard_library(value: Any) -> str:

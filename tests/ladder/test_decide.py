@@ -134,10 +134,8 @@ def check_invariants(
     assert {item.id for item in permitted if item.minimum_retention} <= kept_ids
     # The minimum set's content survives (a duplicate may stand in for a removed copy).
     minimum = minimum_evidence_ids(permitted, policy.minimum_evidence)
-    kept_content = {(item.content_digest, item.permissions) for item in final.evidence}
-    assert {
-        (item.content_digest, item.permissions) for item in permitted if item.id in minimum
-    } <= kept_content
+    kept_content = {(item.parts, item.permissions) for item in final.evidence}
+    assert {(item.parts, item.permissions) for item in permitted if item.id in minimum} <= kept_content
     assert not kept_ids & {item.id for item in decision.removed if item.bucket == "evidence"}
 
     # A tool call and its result are one unit.
