@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from ladder import decide as decide_module
 from ladder.components import Components, Limits
 from ladder.counting import (
     Count,
@@ -26,7 +27,7 @@ from ladder.decide import decide
 from ladder.decision import Decision
 from ladder.parser import parse_components
 from ladder.policy import TaskPolicy
-from ladder.rungs import ModelSpec, minimum_evidence_ids
+from ladder.rungs import ModelSpec, minimum_evidence_ids, trim_order
 from ladder.templates import Image, Piece, get_template, stream_text
 from ladder.walk import Target
 from ladder.wire import decision_manifest, decision_response
@@ -352,6 +353,39 @@ def test_trim_finds_the_fewest_that_fit_in_a_few_recounts(
     # The full count, then the trim's: bisection over 64 items alone takes 7 recounts.
     assert recounts[0] == 64 and len(recounts) - 1 <= 3, recounts
     check_invariants(decision, original, policy, tokenizers)
+
+
+@pytest.mark.parametrize("guesses", ["predicted", "always the lowest"])
+def test_trim_drops_exactly_the_fewest_at_every_budget_where_the_answer_changes(
+    guesses: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every budget at which the fewest items to drop changes, and the token below it: the search finds what
+    a scan of every k finds, with the predicted probes and with probes that tell it nothing (the halving
+    after them then does the work)."""
+    if guesses == "always the lowest":
+        monkeypatch.setattr(decide_module, "_first_predicted_fit", lambda *args: args[4])
+    gen = Gen(5)
+    data = base_components(gen)
+    data["evidence"] = [
+        evidence_item(gen, i, text=gen.cjk(20 + 9 * (i % 4)) if i % 3 else None, size=10 + 11 * (i % 6))
+        for i in range(20)
+    ]
+    original = parse_components(data, limits=LIMITS)
+    policy = task_policy(ladder=ladder("TRIM_EVIDENCE"))
+    order = trim_order(original.evidence, minimum_evidence_ids(original.evidence, policy.minimum_evidence))
+    counts = [
+        full_tokens(replace(original, evidence=tuple(e for e in original.evidence if e not in order[:k])))
+        for k in range(len(order) + 1)
+    ]
+    assert counts == sorted(counts, reverse=True) and len(set(counts)) == len(counts), "strictly falling"
+    for k in range(1, len(order) + 1):
+        for budget, fewest in ((counts[k], k), (counts[k] - 1, k + 1)):
+            decision = run(data, budget=budget, policy=policy)
+            dropped = [item.id for item in decision.removed if item.rung == "TRIM_EVIDENCE"]
+            if fewest > len(order):
+                assert not decision.admitted and len(dropped) == len(order)
+            else:
+                assert decision.admitted and dropped == [item.id for item in order[:fewest]], (budget, k)
 
 
 def test_trim_never_goes_below_the_minimum_set(tokenizers: dict[str, Tokenizer]) -> None:
