@@ -58,8 +58,7 @@ class BenchCache:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
 
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
-        """One MGET; ``meanwhile`` is not called (redis-py's ``mget`` waits for the answer)."""
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
         values = self.client.mget(["ladderbench:" + k for k in keys])
         return [None if v is None else int(v) for v in values]  # type: ignore[union-attr]
 

@@ -16,7 +16,7 @@ import os
 import threading
 import unicodedata
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, filterfalse, repeat
 from operator import attrgetter, is_, is_not, not_
@@ -77,12 +77,8 @@ class SegmentCounter(Protocol):
 class CountCache(Protocol):
     """A cache of segment counts (Redis in production)."""
 
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
-        """Return the cached count of each key, or None where there is none.
-
-        While the answer is on its way (a round trip), call ``meanwhile`` until it returns False: the caller's
-        own work, done in time it would otherwise wait. A cache that answers at once need not call it.
-        """
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        """Return the cached count of each key, or None where there is none."""
         ...
 
     def set_many(self, mapping: Mapping[str, int]) -> None:
@@ -96,8 +92,8 @@ class MemoryCountCache:
     def __init__(self) -> None:
         self.data: dict[str, int] = {}
 
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
-        """Return the cached count of each key, or None (at once: ``meanwhile`` is not called)."""
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        """Return the cached count of each key, or None."""
         data = self.data
         return [data.get(key) for key in keys]
 
@@ -491,17 +487,18 @@ def count_stream(
     unique = list(dict.fromkeys(pending))
     if unique:
         keys = cache_keys(digest, template_revision, unique)
-        ahead: dict[str, int] = {}
-        cached = cache.get_many(keys, meanwhile=_counting_ahead(counter, unique, ahead))
+        cached = cache.get_many(keys)
         learned: dict[str, int] = {}
         missing = _take_found(learned, unique, cached)
         if missing:
-            rest = list(filterfalse(ahead.__contains__, missing)) if ahead else missing
-            if rest:
-                learned.update(zip(rest, _checked(counter.count_many(rest), len(rest)), strict=True))
-            if ahead:
-                learned.update((text, ahead[text]) for text in missing if text in ahead)
-            counted = list(map(learned.__getitem__, missing))
+            counted = counter.count_many(missing)
+            if (
+                len(counted) != len(missing)
+                or not set(map(type, counted)) <= {int}
+                or (counted and min(counted) < 0)
+            ):
+                raise ValueError("counter returned a malformed answer")
+            learned.update(zip(missing, counted, strict=True))
             misses = map(is_, cached, repeat(None)) if len(missing) < len(unique) else repeat(True)
             cache.set_many(dict(zip(compress(keys, misses), counted, strict=True)))
         texts.update(learned)
@@ -525,37 +522,6 @@ def count_stream(
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
         per_object[piece.object_id] = per_object.get(piece.object_id, 0) + tokens
     return _with_specials(per_bucket, per_object, kinds, method)
-
-
-# A text counted ahead, while the shared cache's answer is on its way, takes at most about 0.2 ms to count
-# here: once the answer is in, the count that started before it delays the rest by no more than that.
-AHEAD_MAX_CHARS = 8192
-
-
-def _counting_ahead(counter: SegmentCounter, texts: list[str], into: dict[str, int]) -> Callable[[], bool]:
-    """Work for the wait on the shared cache (``CountCache.get_many``'s ``meanwhile``): each call counts the
-    next of ``texts`` short enough (``AHEAD_MAX_CHARS``) into ``into``; False once none is left.
-
-    A new request's texts are all misses: its count is then made while the cache's round trip is on its
-    way, not after it. A text the cache does know was counted for nothing, in time that was spent waiting.
-    """
-    queue = iter([text for text in texts if len(text) <= AHEAD_MAX_CHARS])
-
-    def count_next() -> bool:
-        text = next(queue, None)
-        if text is None:
-            return False
-        (into[text],) = _checked(counter.count_many((text,)), 1)
-        return True
-
-    return count_next
-
-
-def _checked(counted: list[int], expected: int) -> list[int]:
-    """``counted``, the counter's answer for ``expected`` texts. Raises ValueError if it is malformed."""
-    if len(counted) != expected or not set(map(type, counted)) <= {int} or (counted and min(counted) < 0):
-        raise ValueError("counter returned a malformed answer")
-    return counted
 
 
 def _texts_count(text_pieces: list[Text], tokens: list[int], kinds: bytes, method: CountMethod) -> Count:

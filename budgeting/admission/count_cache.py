@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import cast
 
@@ -63,9 +63,8 @@ class RedisCountCache:
         self._held: dict[str, int] = {}
         self._held_lock = threading.Lock()
 
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
-        """The counts of ``keys`` (``None`` for a miss), the writes held answering for theirs; ``meanwhile``
-        is called until it returns False or the first byte of the answer is in (``CountCache.get_many``).
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
+        """The counts of ``keys`` (``None`` for a miss), the writes held answering for theirs.
 
         The MGET is followed, in the same round trip, by an ECHO of a value never sent before: a reply left
         unread on the connection (a server that ignored a write's CLIENT REPLY SKIP, see ``flush``) would
@@ -94,9 +93,6 @@ class RedisCountCache:
                 connection.send_packed_command(
                     connection.pack_commands([("MGET", *keys), ("ECHO", nonce), *writes])
                 )
-                if meanwhile is not None:
-                    while not connection.can_read(timeout=0) and meanwhile():
-                        pass
                 values = connection.read_response()
                 echoed = connection.read_response()
             except BaseException:
@@ -216,7 +212,7 @@ class LayeredCountCache:
             self.local.clear()
         self.texts.clear()
 
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
         with self.lock:
             found = [self.local.get(key) for key in keys]
             for key, value in zip(keys, found, strict=True):
@@ -225,7 +221,7 @@ class LayeredCountCache:
         missing = [key for key, value in zip(keys, found, strict=True) if value is None]
         if not missing:
             return found
-        shared = dict(zip(missing, self.shared.get_many(missing, meanwhile), strict=True))
+        shared = dict(zip(missing, self.shared.get_many(missing), strict=True))
         self._keep({key: value for key, value in shared.items() if value is not None})
         return [value if value is not None else shared[key] for key, value in zip(keys, found, strict=True)]
 

@@ -3,7 +3,6 @@ active policy moves (a rollback clears the shared cache too: SPEC §6)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
@@ -151,19 +150,3 @@ def test_a_reply_left_on_the_connection_is_never_read_as_counts(redis_db: Any, m
     assert client.echo("next") == b"next"
     assert cache.get_many(["tc:test:a"]) == [5]
     pool.disconnect()
-
-
-def test_a_read_does_the_callers_work_only_until_the_answer_is_in(redis_db: Any) -> None:
-    cache = RedisCountCache(redis_db, ttl_seconds=60)
-    cache.set_many({"tc:test:a": 1})
-    cache.flush()
-    calls: list[float] = []
-
-    def meanwhile() -> bool:
-        calls.append(time.monotonic())
-        time.sleep(0.02)
-        return True  # always more to do: only the answer's arrival ends the wait
-
-    assert cache.get_many(["tc:test:a", "tc:test:b"], meanwhile) == [1, None]
-    assert len(calls) < 5, "the answer came within 20 ms on loopback, and the work stopped then"
-    assert cache.get_many(["tc:test:a"], lambda: False) == [1], "nothing left to do: it waits for the answer"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ladder.counting import (
-    AHEAD_MAX_CHARS,
     Count,
     CountingUnavailable,
     CountMethod,
@@ -101,9 +100,9 @@ class SpyCache(MemoryCountCache):
         super().__init__()
         self.asked: list[list[str]] = []
 
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
+    def get_many(self, keys: Sequence[str]) -> list[int | None]:
         self.asked.append(list(keys))
-        return super().get_many(keys, meanwhile)
+        return super().get_many(keys)
 
 
 def new_strings(texts: Sequence[str]) -> list[str]:
@@ -376,58 +375,16 @@ def test_missing_corrupt_or_unexpected_files_make_counting_unavailable(tmp_path:
     assert TokenizerCounter.from_file(LEGACY_FILE, expected_digest=legacy_counter().digest).method == "EXACT"
 
 
-class SlowCache(MemoryCountCache):
-    """A shared cache whose answer takes ``polls`` calls of ``meanwhile`` to arrive (a round trip)."""
-
-    def __init__(self, polls: int) -> None:
-        super().__init__()
-        self.polls = polls
-        self.calls = 0
-
-    def get_many(self, keys: Sequence[str], meanwhile: Callable[[], bool] | None = None) -> list[int | None]:
-        assert meanwhile is not None
-        while self.calls < self.polls and meanwhile():
-            self.calls += 1
-        return super().get_many(keys)
-
-
-def test_texts_are_counted_one_by_one_while_the_cache_answers_and_the_rest_in_one_batch() -> None:
-    spy = SpyCounter(legacy_counter())
-    long = "clause " * (AHEAD_MAX_CHARS // 7 + 1)
-    texts = ["alpha", long, "beta", "gamma", "delta", "alpha"]
-    expected = count(stream(texts), legacy_counter(), MemoryCountCache())
-    slow = SlowCache(polls=2)
-    assert count(stream(texts), spy, slow) == expected
-    # Two short texts counted ahead (the long one never: once the answer is in it would delay the rest),
-    # then the texts still unknown in one batch; each text counted once, and all of them written back.
-    assert spy.calls == [["alpha"], ["beta"], [long, "gamma", "delta"]]
-    assert len(slow.data) == 5
-
-
-def test_a_text_counted_ahead_that_the_cache_knows_keeps_the_cached_count() -> None:
-    spy = SpyCounter(legacy_counter())
-    slow = SlowCache(polls=10)
-    key = cache_key(spy.digest, "meta/1", "alpha")
-    slow.data[key] = 999
-    total = count(stream(["alpha", "beta"]), spy, slow)
-    assert spy.calls == [["alpha"], ["beta"]], "every short text counted ahead, then nothing left to count"
-    assert slow.calls == 2, "meanwhile said it had no more to do"
-    assert total == 999 + legacy_counter().count_many(["beta"])[0] + 3
-    assert slow.data[key] == 999 and len(slow.data) == 2, "only the miss is written back"
-
-
 def test_a_malformed_counter_answer_is_refused() -> None:
     class Broken:
         digest = "sha256:broken"
         method: CountMethod = "EXACT"
 
         def count_many(self, texts: Sequence[str]) -> list[int]:
-            return [1] * (len(texts) + 1)
+            return [1]
 
     with pytest.raises(ValueError):
         count(stream(["a", "b"]), Broken(), MemoryCountCache())
-    with pytest.raises(ValueError):  # counted ahead: each answer is checked as it comes
-        count(stream(["a", "b"]), Broken(), SlowCache(polls=1))
 
 
 def test_the_approved_bounds_of_the_real_files() -> None:
