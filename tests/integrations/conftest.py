@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -59,9 +60,27 @@ HOOK_DEADLINE_S = 8
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port below the kernel's range for outgoing connections' local ports.
+
+    The module's ports are chosen once and bound again by every test (the simulator, our API) and, 10-60 s
+    later, by the proxy. A port of that range (what binding port 0 gives) can be taken in between by any
+    connection the machine opens: a CI run saw ``Address already in use`` for the simulator's port while the
+    suite's other parts ran beside it. Below the range, only a listener that asks for the port can take it.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass
