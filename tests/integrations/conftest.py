@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +28,7 @@ from simulation.completions import default_prompt_counter
 from simulation.provider import Simulator
 from tests.e2e_faults.harness import DEMO, PROVIDER_KEY, TOKEN, database_url_for_subprocesses
 from tests.integrations.litellm_proxy import ROOT, LiteLLMProxy, ensure_venv
+from tests.ports import free_port
 
 # The model groups the proxy serves, and how the hook maps each (tokenbudget_litellm.settings).
 MODEL_GROUPS = {
@@ -57,30 +56,6 @@ MODEL_GROUPS = {
 # The hook's one deadline per call to our API: short, so the hung-API test is quick, and long enough for a
 # fresh server's first (cold) admission of a 20k-token request on a busy machine.
 HOOK_DEADLINE_S = 8
-
-
-def free_port() -> int:
-    """A free loopback port below the kernel's range for outgoing connections' local ports.
-
-    The module's ports are chosen once and bound again by every test (the simulator, our API) and, 10-60 s
-    later, by the proxy. A port of that range (what binding port 0 gives) can be taken in between by any
-    connection the machine opens: a CI run saw ``Address already in use`` for the simulator's port while the
-    suite's other parts ran beside it. Below the range, only a listener that asks for the port can take it.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low) if low > 2048 else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass

@@ -18,8 +18,9 @@ from ledger.models import Reservation
 from ledger.models import State as ReservationState
 from simulation.provider import Simulator
 from tests.e2e_faults.harness import TOKEN, assert_clean, wait_for
-from tests.integrations.conftest import Gunicorn, Ports, RecordingCounter, free_port
+from tests.integrations.conftest import Gunicorn, Ports, RecordingCounter
 from tests.integrations.litellm_proxy import ROOT, LiteLLMProxy
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

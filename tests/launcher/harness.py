@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TOKEN = "tb_demo_gateway_eu_0000000000000000"
@@ -40,12 +41,6 @@ KINDS: dict[str, Callable[[str], bool]] = {
     "postgres": lambda command: "bin/postgres" in command,
     "redis": lambda command: "redis-server" in command,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def process_table() -> dict[int, tuple[int, str]]:

@@ -14,17 +14,12 @@ import pytest
 
 from budgeting.launcher import front
 from tests.launcher.test_slow_clients import raw_answer
+from tests.ports import free_port
 
 pytestmark = pytest.mark.skipif(
     front.nginx_binary() is None,
     reason="nginx is not installed (apt-get install nginx; .ci/run installs it): the front is what it proves",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
