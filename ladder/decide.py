@@ -203,7 +203,7 @@ def _trim(walk: Walk) -> None:
     )
     # Every k below ``low`` does not fit; ``high`` fits, or is len(order) + 1 while none is known to.
     low, high = 1, len(order) + 1
-    per_item = 0.0
+    per_item = 0
     for _ in range(GUIDED_PROBES):
         if low >= high:
             break
@@ -212,7 +212,7 @@ def _trim(walk: Walk) -> None:
             high = k
         else:
             low = k + 1
-        per_item = max(0.0, (total - dropped_tokens[k] - probed[k][1].total) / k)
+        per_item = max(0, (total - dropped_tokens[k] - probed[k][1].total) // k)
     while low < high:
         middle = (low + high) // 2
         if fits(middle):
@@ -240,11 +240,12 @@ GUIDED_PROBES = 4
 
 
 def _first_predicted_fit(
-    dropped_tokens: Sequence[int], total: int, per_item: float, budget: int, low: int, high: int
+    dropped_tokens: Sequence[int], total: int, per_item: int, budget: int, low: int, high: int
 ) -> int:
     """The smallest k in [low, high) whose predicted count fits ``budget`` (``high - 1`` when none is
     predicted to): ``total`` less ``dropped_tokens[k]`` (the tokens of the first k items in the untrimmed
-    count) and ``per_item`` tokens of wrapping for each of them."""
+    count) and ``per_item`` tokens of wrapping for each of them (whole tokens: what the last probe's
+    recount showed each dropped item's wrapping to cost, rounded down)."""
     for k in range(low, high):
         if total - dropped_tokens[k] - per_item * k <= budget:
             return k
