@@ -28,13 +28,12 @@ from tokenizers import Tokenizer
 from ladder.components import canonical_digest
 from ladder.templates import (
     BOUND,
-    COSTING,
-    CUT,
+    FIXED,
     IMAGE,
+    KINDS,
     SPECIAL,
     TEMPLATE_BUCKET,
     TEMPLATE_OBJECT,
-    TEXT,
     Bound,
     Image,
     Piece,
@@ -416,8 +415,44 @@ def with_total(count: Count, total: int, method: CountMethod) -> Count:
 
 
 _TEXT_OF = attrgetter("text")
-# Kinds (ladder.templates.check_boundaries) to 1 for the texts only, which the tokenizer counts.
-_TEXTS = bytes.maketrans(bytes([SPECIAL, CUT, TEXT, BOUND, IMAGE]), bytes([0, 0, 1, 0, 0]))
+# Kinds (ladder.templates.check_boundaries) to 1 for the texts of the request, which are looked up and counted
+# per segment; for the template's fixed texts, counted once per counter; for the pieces that cost tokens, the
+# fixed texts left out (they are added in one sum).
+_TEXTS = bytes.maketrans(KINDS, bytes([0, 0, 1, 0, 0, 0]))
+_FIXED_TEXTS = bytes.maketrans(KINDS, bytes([0, 0, 0, 0, 0, 1]))
+_EACH_COSTING = bytes.maketrans(KINDS, bytes([0, 0, 1, 1, 1, 0]))
+_FIXED_KIND = bytes([FIXED])
+
+# Each counter's counts of the templates' fixed texts (a handful: the roles' names, a header's ``\n\n``), by
+# the counter's digest.
+_fixed_counts: dict[str, dict[str, int]] = {}
+_fixed_lock = threading.Lock()
+
+
+def _fixed_tokens(pieces: Sequence[Piece], kinds: bytes, counter: SegmentCounter) -> int:
+    """The tokens of the stream's ``FixedText`` pieces, each text counted once per counter (see Cut: a text
+    between separators is encoded on its own, so its count depends on the tokenizer alone)."""
+    if _FIXED_KIND not in kinds:
+        return 0
+    texts = list(map(_TEXT_OF, compress(pieces, kinds.translate(_FIXED_TEXTS))))
+    known = _fixed_counts.get(counter.digest, {})
+    try:
+        return sum(map(known.__getitem__, texts))
+    except KeyError:
+        pass
+    new = [text for text in dict.fromkeys(texts) if text not in known]
+    counted = _checked(counter.count_many(new), len(new))
+    with _fixed_lock:
+        table = _fixed_counts.setdefault(counter.digest, {})
+        table.update(zip(new, counted, strict=True))
+    return sum(map(table.__getitem__, texts))
+
+
+def _checked(counted: list[int], expected: int) -> list[int]:
+    """``counted``, a counter's answer for ``expected`` texts; raises ValueError if it is malformed."""
+    if len(counted) != expected or not set(map(type, counted)) <= {int} or (counted and min(counted) < 0):
+        raise ValueError("counter returned a malformed answer")
+    return counted
 
 
 def cache_keys(counter_digest: str, template_revision: str, texts: Sequence[str]) -> list[str]:
@@ -482,7 +517,8 @@ def count_stream(
             # the count of each costing piece, in order.
             if memo is not None:
                 memo.update(zip(strings, cast("list[int]", found), strict=True))
-            return _texts_count(text_pieces, cast("list[int]", found), kinds, counter.method)
+            fixed = _fixed_tokens(pieces, kinds, counter)
+            return _texts_count(text_pieces, cast("list[int]", found), kinds, fixed, counter.method)
         pending = _take_found(texts, pending, found)
     unique = list(dict.fromkeys(pending))
     if unique:
@@ -491,13 +527,7 @@ def count_stream(
         learned: dict[str, int] = {}
         missing = _take_found(learned, unique, cached)
         if missing:
-            counted = counter.count_many(missing)
-            if (
-                len(counted) != len(missing)
-                or not set(map(type, counted)) <= {int}
-                or (counted and min(counted) < 0)
-            ):
-                raise ValueError("counter returned a malformed answer")
+            counted = _checked(counter.count_many(missing), len(missing))
             learned.update(zip(missing, counted, strict=True))
             misses = map(is_, cached, repeat(None)) if len(missing) < len(unique) else repeat(True)
             cache.set_many(dict(zip(compress(keys, misses), counted, strict=True)))
@@ -508,8 +538,9 @@ def count_stream(
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}
     method = counter.method
-    # Only the pieces that cost tokens: a cut costs none, and the specials are counted in one go below.
-    costing = cast("Iterator[Text | Bound | Image]", compress(pieces, kinds.translate(COSTING)))
+    # Only the pieces that cost tokens: a cut costs none, and the specials and fixed texts are counted in one
+    # go below.
+    costing = cast("Iterator[Text | Bound | Image]", compress(pieces, kinds.translate(_EACH_COSTING)))
     for piece in costing:
         if type(piece) is Text:
             tokens = texts[piece.text]
@@ -521,26 +552,31 @@ def count_stream(
             method = "UPPER_BOUND"
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + tokens
         per_object[piece.object_id] = per_object.get(piece.object_id, 0) + tokens
-    return _with_specials(per_bucket, per_object, kinds, method)
+    return _with_template(per_bucket, per_object, kinds, _fixed_tokens(pieces, kinds, counter), method)
 
 
-def _texts_count(text_pieces: list[Text], tokens: list[int], kinds: bytes, method: CountMethod) -> Count:
-    """The count of a stream whose costing pieces are ``text_pieces``, of ``tokens`` tokens each."""
+def _texts_count(
+    text_pieces: list[Text], tokens: list[int], kinds: bytes, fixed: int, method: CountMethod
+) -> Count:
+    """The count of a stream whose costing pieces are ``text_pieces``, of ``tokens`` tokens each, and fixed
+    texts of ``fixed`` tokens in all."""
     per_bucket: dict[str, int] = {}
     per_object: dict[str, int] = {}
     for piece, n in zip(text_pieces, tokens, strict=True):
         per_bucket[piece.bucket] = per_bucket.get(piece.bucket, 0) + n
         per_object[piece.object_id] = per_object.get(piece.object_id, 0) + n
-    return _with_specials(per_bucket, per_object, kinds, method)
+    return _with_template(per_bucket, per_object, kinds, fixed, method)
 
 
-def _with_specials(
-    per_bucket: dict[str, int], per_object: dict[str, int], kinds: bytes, method: CountMethod
+def _with_template(
+    per_bucket: dict[str, int], per_object: dict[str, int], kinds: bytes, fixed: int, method: CountMethod
 ) -> Count:
-    """The count of a stream: its pieces' tokens by bucket and object, plus its specials (the template's)."""
+    """The count of a stream: its pieces' tokens by bucket and object, plus the template's: its specials and
+    its fixed texts (``fixed`` tokens)."""
     specials = kinds.count(SPECIAL)
-    per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + specials
-    per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + specials
+    template = specials + fixed
+    per_bucket[TEMPLATE_BUCKET] = per_bucket.get(TEMPLATE_BUCKET, 0) + template
+    per_object[TEMPLATE_OBJECT] = per_object.get(TEMPLATE_OBJECT, 0) + template
     return Count(sum(per_bucket.values()), per_bucket, per_object, method, specials)
 
 

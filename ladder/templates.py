@@ -65,6 +65,14 @@ class Text:
 
 
 @dataclass(frozen=True, slots=True)
+class FixedText(Text):
+    """Text of the template's own, from a fixed handful (a role's name, a header's ``\\n\\n``), attributed to
+    the template and separated like any text: its count depends on the tokenizer alone, so it is counted once
+    per counter (``ladder.counting``), never looked up per request. Never a request's text, whose values are
+    unbounded."""
+
+
+@dataclass(frozen=True, slots=True)
 class Image:
     """An image, counted by the model revision's image formula and never tokenised."""
 
@@ -110,14 +118,17 @@ def _piece(message: Message, segment: Segment) -> Piece | None:
     return Text(message.bucket, message.object_id, part.text) if part.text else None
 
 
-# The piece classes are final (slotted dataclasses nothing subclasses): an exact type is enough. Each kind is
-# one byte, so a stream of a thousand pieces is read by C loops (map, translate, find, count, compress)
-# instead of a Python loop per piece: a warm count does little else.
-SPECIAL, CUT, TEXT, BOUND, IMAGE = range(5)
-_KINDS: dict[type, int] = {Special: SPECIAL, Cut: CUT, Text: TEXT, Bound: BOUND, Image: IMAGE}
+# The piece classes are final (slotted dataclasses nothing subclasses but ``FixedText``, a kind of its own):
+# an exact type is enough. Each kind is one byte, so a stream of a thousand pieces is read by C loops (map,
+# translate, find, count, compress) instead of a Python loop per piece: a warm count does little else.
+SPECIAL, CUT, TEXT, BOUND, IMAGE, FIXED = range(6)
+KINDS = bytes([SPECIAL, CUT, TEXT, BOUND, IMAGE, FIXED])
+_KINDS: dict[type, int] = {
+    Special: SPECIAL, Cut: CUT, Text: TEXT, Bound: BOUND, Image: IMAGE, FixedText: FIXED,
+}  # fmt: skip
 # Kinds to 1 for the pieces that cost tokens (texts, bounds, images), to 0 for the separators (specials and
 # cuts): the boundary rule is then "starts and ends with 0, and no 1 beside a 1".
-COSTING = bytes.maketrans(bytes([SPECIAL, CUT, TEXT, BOUND, IMAGE]), bytes([0, 0, 1, 1, 1]))
+COSTING = bytes.maketrans(KINDS, bytes([0, 0, 1, 1, 1, 1]))
 
 
 # The last stream (a tuple: it and its frozen pieces cannot change) found to follow the rule, and its kinds.
@@ -129,7 +140,7 @@ _last_checked: tuple[tuple[Piece, ...], bytes] = ((), b"")
 
 def check_boundaries(pieces: Sequence[Piece]) -> bytes:
     """Check the counting rule: the stream starts and ends with a special or a cut, and no two other pieces
-    touch (a special or a cut separates them). Returns the kind of each piece (``SPECIAL`` … ``IMAGE``, one
+    touch (a special or a cut separates them). Returns the kind of each piece (``SPECIAL`` … ``FIXED``, one
     byte each), for a caller that reads the stream next.
 
     Raises TemplateError when the rule is broken (a template bug: counts would no longer add up).
@@ -462,7 +473,7 @@ class MetaTemplate(ChatTemplate):
 
     def _header(self, role: str) -> Iterator[Piece]:
         yield Special(self.META_START)
-        yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, role)
+        yield FixedText(TEMPLATE_BUCKET, TEMPLATE_OBJECT, role)
         yield Special(self.META_END)
 
     def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:
@@ -619,7 +630,7 @@ class OpenAITemplate(ChatTemplate):
         tools_opened = False
         for message in message_list:
             yield Special(self.START)
-            yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, message.role)
+            yield FixedText(TEMPLATE_BUCKET, TEMPLATE_OBJECT, message.role)
             yield Special(self.SEP)
             text = _content_text(message)
             if not message.in_payload or message.role == "tool":
@@ -730,9 +741,9 @@ class Llama3Template(ChatTemplate):
 
     def _header(self, role: str) -> Iterator[Piece]:
         yield Special(self.START_HEADER)
-        yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "ipython" if role == "tool" else role)
+        yield FixedText(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "ipython" if role == "tool" else role)
         yield Special(self.END_HEADER)
-        yield Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "\n\n")
+        yield FixedText(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "\n\n")
         yield Cut()
 
     def _stream(self, message_list: tuple[Message, ...]) -> Iterator[Piece]:

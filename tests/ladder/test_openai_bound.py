@@ -57,6 +57,7 @@ from ladder.templates import (
     TEMPLATE_OBJECT,
     Bound,
     Cut,
+    FixedText,
     Piece,
     Special,
     TemplateError,
@@ -894,7 +895,7 @@ def assistant_pieces(
         index
         for index, piece in enumerate(pieces)
         if piece == Special("<|im_start|>")
-        and pieces[index + 1] == Text(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "assistant")
+        and pieces[index + 1] == FixedText(TEMPLATE_BUCKET, TEMPLATE_OBJECT, "assistant")
     )
     end = pieces.index(Special("<|im_end|>"), start)
     own = list(pieces[start : end + 1])
