@@ -202,8 +202,6 @@ def _load(digest: str, data: bytes) -> Tokenizer:
     if loaded is not None:
         return loaded
     tokenizer = Tokenizer.from_buffer(data)
-    # Content that spells a special token is counted as the text it is, never as the special token.
-    tokenizer.encode_special_tokens = True
     with _LOCK:
         return _BY_DIGEST.setdefault(digest, tokenizer)
 
@@ -212,8 +210,9 @@ def _load(digest: str, data: bytes) -> Tokenizer:
 class TokenizerCounter:
     """Exact counts with a Hugging Face ``tokenizers`` tokenizer.
 
-    Special-token strings inside content are counted as the plain text they are (``encode_special_tokens``),
-    and no special tokens are added around a segment: the template's specials are counted by the stream.
+    Content that spells an added token (special or not) is counted as that token, as a server reads the
+    prompt the published template renders (``tests/ladder/test_deepseek_golden.py``'s reference), and no
+    special tokens are added around a segment: the template's specials are counted by the stream.
     """
 
     tokenizer: Tokenizer

@@ -68,10 +68,8 @@ LLAMA3_SPECIALS = (
 
 
 def _hf_json(data: bytes, digest: str, name: str) -> SegmentCounter:
-    tokenizer = Tokenizer.from_buffer(data)
-    # Content that spells a special token is counted as the text it is, never as the special token.
-    tokenizer.encode_special_tokens = True
-    return TokenizerCounter(tokenizer, digest)
+    # Content that spells an added token is counted as that token, as a server's tokenizer reads the prompt.
+    return TokenizerCounter(Tokenizer.from_buffer(data), digest)
 
 
 def _openai(encoding_name: str, pattern: str) -> Loader:

@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from ladder.counting import SegmentCounter, TokenizerCounter, UpperBoundRule, upper_bound_rule
+from ladder.families import load_counter
 from ladder.rungs import ModelSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +24,10 @@ ALL_CAPABILITIES = frozenset({"tools", "json_schema", "vision"})
 
 
 def deepseek_counter() -> TokenizerCounter:
-    return TokenizerCounter.from_file(DEEPSEEK_FILE)
+    """DeepSeek-V3's counter as the API loads it."""
+    counter = load_counter("byte-level-bpe", DEEPSEEK_FILE)
+    assert isinstance(counter, TokenizerCounter)
+    return counter
 
 
 def legacy_counter() -> TokenizerCounter:

@@ -359,8 +359,9 @@ def test_a_symlink_pointed_at_another_file_is_detected(tmp_path: Path) -> None:
 
 
 def test_a_file_is_loaded_once_per_process() -> None:
-    assert TokenizerCounter.from_file(DEEPSEEK_FILE).tokenizer is deepseek_counter().tokenizer
-    assert TokenizerCounter.from_file(str(DEEPSEEK_FILE)).tokenizer is deepseek_counter().tokenizer
+    first = TokenizerCounter.from_file(DEEPSEEK_FILE).tokenizer
+    assert TokenizerCounter.from_file(DEEPSEEK_FILE).tokenizer is first
+    assert TokenizerCounter.from_file(str(DEEPSEEK_FILE)).tokenizer is first
 
 
 def test_missing_corrupt_or_unexpected_files_make_counting_unavailable(tmp_path: Path) -> None:

@@ -428,7 +428,7 @@ def test_smaller_model_checks_every_dimension(tokenizers: dict[str, Tokenizer]) 
     decision = run(data, budget=full_tokens(data) - 1, policy=policy)
     assert decision.admitted and decision.rung == "SMALLER_MODEL"
     assert decision.model.id == "legacy@1" and decision.original_model_id == "ds@1"
-    assert decision.template_revision == "meta/1"
+    assert decision.template_revision == "meta/2"
     (step,) = decision.steps
     assert [(c.model_id, c.failed) for c in step.candidates] == [
         ("us@1", ("dataResidency",)),

@@ -33,6 +33,7 @@ from ladder.counting import MemoryCountCache, TokenizerCounter, count_stream, im
 from ladder.parser import parse_components
 from ladder.seams import splits_between
 from ladder.templates import (
+    _ADDED_TOKEN_LIKE,
     Bound,
     Cut,
     DeepSeekTemplate,
@@ -425,6 +426,89 @@ def test_generated_conversations(data: dict[str, Any]) -> None:
     if any(isinstance(message.get("content"), list) for message in payload["messages"]):
         reject()  # a tool turn's generated parts may still hold an image, which the template cannot render
     check(comps)
+
+
+# ------------------------------------------------------------------------------------------ added tokens
+
+# Content that spells an added token: special ones (the beginning and end of a sentence), others the template
+# uses (a role, a call's separator), others it does not (reasoning, DSML), one inside words.
+SPELLED = [
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜tool▁sep｜>",
+    "<think>x</think>",
+    "<|EOT|>",
+    "｜DSML｜",
+    "a<｜Assistant｜>b",
+]
+
+
+def count_and_reference(data: dict[str, Any]) -> tuple[tuple[Piece, ...], Any, list[int]]:
+    comps = components(data)
+    pieces = TEMPLATE.render(comps)
+    count = count_stream(
+        pieces, deepseek_counter(), MemoryCountCache(), template_revision=TEMPLATE.revision,
+        image_formula="tiles512",
+    )  # fmt: skip
+    return pieces, count, reference_ids(TEMPLATE.payload(comps))
+
+
+def test_every_added_token_is_found_by_the_run_check() -> None:
+    """A run of touching texts in which ``_ADDED_TOKEN_LIKE`` finds nothing holds none of the file's added
+    tokens, special or not."""
+    tokens = [token.content for token in server_tokenizer().get_added_tokens_decoder().values()]
+    assert len(tokens) > 1000
+    assert [token for token in tokens if not _ADDED_TOKEN_LIKE.fullmatch(token)] == []
+
+
+@pytest.mark.parametrize("spelled", SPELLED)
+def test_a_text_spelling_an_added_token_counts_it_as_the_server_does(spelled: str) -> None:
+    """Between the template's specials (the question, the turns) such a text is exact: the tokenizer reads
+    the spelling as the token, as the server reading the rendered prompt does."""
+    data = plain()
+    data["question"] = {"text": f"Why {spelled} here?"}
+    data["recentTurns"] = [
+        {"turn": 1, "role": "user", "text": spelled},
+        {"turn": 2, "role": "assistant", "text": f"{spelled} again"},
+    ]
+    _, bound = check(components(data))
+    assert bound == 0
+
+
+@pytest.mark.parametrize(
+    "rules", [[f"never say {s}"] for s in SPELLED] + [["it ends <｜Us", "er｜> it starts"]]
+)
+def test_system_texts_holding_an_added_token_are_an_upper_bound(rules: list[str]) -> None:
+    """The system messages' texts touch, and the tokenizer matches an added token before it pre-tokenises:
+    a seam's cut could fall inside one (``<｜Us`` + ``er｜>``), so the run is bounded by its bytes."""
+    data = system_messages()
+    data["immutableRules"] = [*data["immutableRules"], *rules]
+    pieces, count, expected = count_and_reference(data)
+    assert count.method == "UPPER_BOUND"
+    assert any(isinstance(piece, Bound) for piece in pieces)
+    assert count.total >= len(expected)
+
+
+spelling_texts = st.lists(
+    st.one_of(texts, st.sampled_from([*SPELLED, "<", "｜", ">", "<｜"])), max_size=6
+).map("".join)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rules=st.lists(spelling_texts, min_size=1, max_size=4), question=spelling_texts, turn=spelling_texts)
+def test_generated_texts_spelling_added_tokens(rules: list[str], question: str, turn: str) -> None:
+    """Exact means the server's ids; otherwise the count is at least what the server counts."""
+    data = plain()
+    data["immutableRules"] = rules
+    data["question"] = {"text": question or "?"}
+    data["recentTurns"] = [{"turn": 1, "role": "user", "text": turn or "hi"}]
+    pieces, count, expected = count_and_reference(data)
+    if count.method == "EXACT":
+        assert our_ids(pieces, deepseek_counter()) == expected
+        assert count.total == len(expected)
+    else:
+        assert count.total >= len(expected)
 
 
 # ------------------------------------------------------------------------------------------------- seams

@@ -152,9 +152,9 @@ def test_the_kinds_of_the_stream_checked_last_are_reused_only_for_that_very_tupl
         check_boundaries(pieces)
 
 
-def test_special_strings_in_content_are_counted_as_text() -> None:
-    assert legacy_counter().count_many(["<EOT>"])[0] > 1
-    assert deepseek_counter().count_many(["<\uff5cend\u2581of\u2581sentence\uff5c>"])[0] > 1
+def test_content_spelling_a_special_token_is_that_token_as_a_server_reads_it() -> None:
+    assert legacy_counter().count_many(["<EOT>"]) == [1]
+    assert deepseek_counter().count_many(["<\uff5cend\u2581of\u2581sentence\uff5c>", "a<think>b"]) == [1, 3]
 
 
 def test_payload_matches_the_stream() -> None:
