@@ -52,7 +52,9 @@ class MistralCounter:
                 messages=request["messages"], tools=request.get("tools")
             )
             tokens: list[int] = self.tokenizer.encode_chat_completion(completion).tokens
-        except (MistralCommonException, ValueError, AssertionError) as exc:
+        # sentencepiece raises a plain RuntimeError for a text it cannot encode (a lone surrogate, escaped in
+        # a call's arguments).
+        except (MistralCommonException, ValueError, AssertionError, RuntimeError) as exc:
             raise CountingUnavailable(f"Mistral's tokenizer refuses the request: {exc}") from exc
         return tokens
 

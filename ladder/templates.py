@@ -777,33 +777,53 @@ class Llama3Template(ChatTemplate):
                     yield Text(message.bucket, message.object_id, part.text)
                     yield Cut()
             for call in message.calls:
-                yield Text(message.bucket, message.object_id, self.call_text(call))
+                text = self.call_text(call)
+                if text is None:
+                    # Meta's code cannot frame it: bounded by the bytes of its JSON tool-prompt format.
+                    yield Bound(message.bucket, message.object_id, self.json_call_text(call))
+                else:
+                    yield Text(message.bucket, message.object_id, text)
                 yield Cut()
             yield Special(self.EOT)
         yield from self._header("assistant")
 
     @classmethod
-    def call_text(cls, call: ToolCall) -> str:
-        """Return the text ChatFormat encodes for a tool call (its JSON tool-prompt format).
+    def call_text(cls, call: ToolCall) -> str | None:
+        """Return the text ChatFormat encodes for a tool call (its JSON tool-prompt format; a built-in tool's
+        own syntax), or None for a built-in tool call Meta's code does not frame as text: without the
+        argument its syntax needs, code that is not a string, or a value holding a lone surrogate (escaped in
+        the arguments' JSON), which no encoder takes.
 
         Arguments that parse as a JSON object are the call's parameters; any other text is passed as the
-        string it is. Raises TemplateError for a built-in tool call without the argument Meta's syntax needs.
+        string it is.
         """
+        arguments = cls._arguments(call)
+        if call.name not in cls.QUERY_TOOLS and call.name != cls.CODE_TOOL:
+            return json.dumps({"type": "function", "name": call.name, "parameters": arguments})
+        key = "code" if call.name == cls.CODE_TOOL else "query"
+        if not isinstance(arguments, dict) or key not in arguments:
+            return None
+        value = arguments[key]
+        if call.name == cls.CODE_TOOL and not isinstance(value, str):
+            return None
+        text = value if call.name == cls.CODE_TOOL else f'{call.name}.call(query="{value}")'
+        return None if _LONE_SURROGATE.search(text) else text
+
+    @classmethod
+    def json_call_text(cls, call: ToolCall) -> str:
+        """The call in the JSON tool-prompt format, non-ASCII escaped: never fewer bytes than its text."""
+        return json.dumps({"type": "function", "name": call.name, "parameters": cls._arguments(call)})
+
+    @staticmethod
+    def _arguments(call: ToolCall) -> object:
         try:
             parsed = json.loads(call.arguments)
         except ValueError:
             parsed = None
-        arguments: object = parsed if isinstance(parsed, dict) else call.arguments
-        if call.name in cls.QUERY_TOOLS or call.name == cls.CODE_TOOL:
-            key = "code" if call.name == cls.CODE_TOOL else "query"
-            if not isinstance(arguments, dict) or key not in arguments:
-                raise TemplateError(f"a {call.name} tool call needs a {key!r} argument")
-            if call.name == cls.CODE_TOOL:
-                return str(arguments[key])
-            return f'{call.name}.call(query="{arguments[key]}")'
-        return json.dumps({"type": "function", "name": call.name, "parameters": arguments})
+        return parsed if isinstance(parsed, dict) else call.arguments
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _VALID_ID = re.compile(r"[A-Za-z0-9]{9}")
 _ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 

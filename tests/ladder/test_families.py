@@ -292,6 +292,46 @@ def test_llama3_built_in_tool_calls_are_framed_as_meta_frames_them() -> None:
     check_llama3(components(data))
 
 
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [
+        ("code_interpreter", {"code": 5}),
+        ("code_interpreter", {"code": None}),
+        ("code_interpreter", {"code": ["a=1", "b=2"]}),
+        ("code_interpreter", {"code": {"x": 1}}),
+        ("code_interpreter", {"code": "x\ud800y"}),
+        ("brave_search", {"q": 5}),
+        ("brave_search", {"query": "\udfff"}),
+        ("wolfram_alpha", "hello"),
+    ],
+)
+def test_llama3_built_in_calls_metas_code_does_not_frame_as_text_are_an_upper_bound(
+    name: str, arguments: object
+) -> None:
+    """Not a string of code, no query, or a lone surrogate escaped in the arguments: Meta's code frames no
+    text (or fails), so the call is bounded by its JSON's bytes, never an exact count or an error."""
+    data = plain()
+    data["recentTurns"] = [
+        {"turn": 1, "role": "user", "text": "Go."},
+        {
+            "turn": 2,
+            "role": "assistant",
+            "text": "",
+            "toolCalls": [{"id": "c1", "name": name, "arguments": json.dumps(arguments)}],
+        },
+        {"turn": 3, "role": "tool", "toolResults": [{"callId": "c1", "text": "done"}]},
+    ]
+    comps = components(data)
+    counter = load_counter("llama3", LLAMA3_FILE)
+    assert isinstance(counter, TiktokenCounter)
+    _, result = count("llama3", counter, comps)
+    assert result.method == "UPPER_BOUND"
+    if name == "code_interpreter" and isinstance(arguments, dict) and not isinstance(arguments["code"], str):
+        # Meta's code frames these, encoding no text (or each item of a list) as the code: the bound is above.
+        expected = meta_format().encode_dialog_prompt(meta_messages(comps)).tokens
+        assert result.total >= len(expected)
+
+
 def test_llama3_long_runs_are_cut_where_metas_tokenizer_cuts_them() -> None:
     counter = load_counter("llama3", LLAMA3_FILE)
     assert isinstance(counter, TiktokenCounter)
