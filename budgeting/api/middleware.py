@@ -28,8 +28,11 @@ logger = logging.getLogger(__name__)
 API_PREFIX = "/api/"
 
 _CODES = {
+    400: ("BAD_REQUEST", "Bad request", "the request could not be read"),
+    403: ("FORBIDDEN", "Forbidden", "the request is not allowed"),
     404: ("NOT_FOUND", "Not found", "no such endpoint; the API's index is /api/v1/"),
     405: ("METHOD_NOT_ALLOWED", "Method not allowed", "this endpoint does not take that method"),
+    406: ("NOT_ACCEPTABLE", "Not acceptable", "the answer is JSON: accept application/json"),
     411: ("LENGTH_REQUIRED", "Length required", "send the body with a Content-Length"),
 }
 

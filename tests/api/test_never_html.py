@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from django.contrib.auth.models import User
 from django.db import connection
+from django.test import Client
 from rest_framework.test import APIClient
 
 from budgeting.admission import count_cache
@@ -55,6 +57,23 @@ def test_a_method_the_schema_does_not_take_is_a_json_405_problem():
     res = APIClient().post("/api/v1/schema", {}, format="json")
     assert_problem(res, 405, "METHOD_NOT_ALLOWED")
     assert "GET" in res["Allow"]
+
+
+@pytest.mark.django_db
+def test_the_schema_in_a_format_it_does_not_serve_is_a_406_problem():
+    assert_problem(APIClient().get("/api/v1/schema", HTTP_ACCEPT="application/xml"), 406, "NOT_ACCEPTABLE")
+
+
+@pytest.mark.django_db
+def test_a_post_to_the_reports_is_a_405_problem_whatever_the_session():
+    """The reports only read: a POST is refused by the view, not first by the CSRF check (403 ``ERROR``)."""
+    anonymous = Client(enforce_csrf_checks=True)
+    signed_in = Client(enforce_csrf_checks=True)
+    signed_in.force_login(User.objects.create_superuser("boss", "boss@example.com", "pw"))
+    for client in (anonymous, signed_in):
+        res = client.post("/api/v1/reports", {})
+        assert_problem(res, 405, "METHOD_NOT_ALLOWED")
+        assert res["Allow"] == "GET"
 
 
 @pytest.mark.django_db(transaction=True)

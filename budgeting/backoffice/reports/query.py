@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
@@ -11,6 +12,8 @@ from django.db.models import Q
 from budgeting.catalog.errors import InvalidInput
 from budgeting.catalog.models import ModelPool, TaskClass, Tenant
 
+# A SlugField's value (the catalog's slugs are at most 64 characters).
+_SLUG = re.compile(r"[-a-zA-Z0-9_]{1,64}")
 DEFAULT_DAYS = 30
 MAX_DAYS = 400
 
@@ -77,7 +80,9 @@ def parse_query(params: Mapping[str, str], *, today: date) -> ReportQuery:
     scope: dict[str, str | None] = {}
     for name, model in (("tenant", Tenant), ("taskClass", TaskClass), ("pool", ModelPool)):
         slug = (params.get(name) or "").strip() or None
-        if slug is not None and not model.objects.filter(slug=slug).exists():
+        # Not a slug (a NUL byte, which PostgreSQL refuses in text, or over the column's length) is no
+        # tenant, task class or pool either, and is not sent to the database.
+        if slug is not None and not (_SLUG.fullmatch(slug) and model.objects.filter(slug=slug).exists()):
             raise ReportQueryInvalid(f"unknown {name} {slug!r}", field=name)
         scope[name] = slug
     return ReportQuery(
