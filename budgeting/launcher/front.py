@@ -4,7 +4,8 @@ gunicorn's sync workers read a request's body themselves: thirty clients sending
 every worker, and every other request waited. nginx reads each request whole (headers and body, in memory up
 to ``BODY_BUFFER``, in a temporary file beyond it) and only then hands it to gunicorn over loopback, where it
 arrives at once; it also bounds what a request may be (``MAX_REQUEST_BYTES`` for a body: 413; headers: 431,
-both problem+json like the API's own answers) and how long a client may take to send it.
+a request line: 414, all problem+json like the API's own answers, gunicorn's too) and how long a client may
+take to send it.
 
 nginx is a Debian package (``apt-get install nginx``), not a PyPI one: when it is not installed the launcher
 says so and gunicorn serves the port itself, as before. In production put the same front (this
@@ -54,6 +55,7 @@ def configuration(prefix: Path, port: int, upstream_port: int) -> str:
     limit = int(os.environ.get("MAX_REQUEST_BYTES", DEFAULT_MAX_REQUEST_BYTES))
     too_large = _problem(413, "BODY_TOO_LARGE", "Payload Too Large", f"body exceeds {limit} bytes")
     headers = _problem(431, "HEADERS_TOO_LARGE", "Request Header Fields Too Large", "headers are too large")
+    uri = _problem(414, "URI_TOO_LONG", "URI Too Long", "the request line is too long")
     timeout = _problem(408, "REQUEST_TIMEOUT", "Request Timeout", "the request was not sent in time")
     down = _problem(503, "SERVICE_UNAVAILABLE", "Service Unavailable", "the API is restarting; retry shortly")
     # nginx's workers drop root's privileges; their temporary files must be theirs.
@@ -98,13 +100,25 @@ http {{
             proxy_set_header X-Real-IP $remote_addr;
             proxy_set_header X-Forwarded-For $remote_addr;
             proxy_read_timeout {UPSTREAM_TIMEOUT_S}s;
+            # gunicorn's own limits (a 4 KiB request line, 8 KiB a header) are below the front's and answer
+            # HTML: its 414 and 431 are answered as the front's own (the statuses with an error_page below;
+            # the API's 413 is the same problem as the front's).
+            proxy_intercept_errors on;
         }}
         error_page 413 @too_large;
         error_page 494 =431 @headers;
+        error_page 431 @headers;
+        # Past the front's own line buffer the request has no URI to reach a named location with.
+        error_page 414 /__front/uri-too-long;
         error_page 408 @timeout;
         error_page 502 504 =503 @down;
         location @too_large {{ default_type application/problem+json; return 413 '{too_large}'; }}
         location @headers {{ default_type application/problem+json; return 431 '{headers}'; }}
+        location = /__front/uri-too-long {{
+            internal;
+            default_type application/problem+json;
+            return 414 '{uri}';
+        }}
         location @timeout {{ default_type application/problem+json; return 408 '{timeout}'; }}
         location @down {{
             default_type application/problem+json;

@@ -192,7 +192,7 @@ def raw_answer(port: int, request: bytes) -> tuple[int, str, dict[str, object]]:
     return int(lines[0].split()[1]), headers.get("Content-Type", ""), json.loads(body)
 
 
-def test_a_body_over_the_limit_is_413_and_oversized_headers_431(launcher: Launcher) -> None:
+def test_a_body_over_the_limit_is_413_oversized_headers_431_and_a_long_line_414(launcher: Launcher) -> None:
     too_long = front.DEFAULT_MAX_REQUEST_BYTES + 1
     status, content_type, body = raw_answer(
         launcher.port,
@@ -206,3 +206,21 @@ def test_a_body_over_the_limit_is_413_and_oversized_headers_431(launcher: Launch
     )
     expected = (431, "application/problem+json", "HEADERS_TOO_LARGE")
     assert (status, content_type, body["code"]) == expected, body
+    # Within the front's limits but over gunicorn's own (4 KiB a request line, 8 KiB a header): gunicorn's
+    # HTML answer is the front's problem.
+    status, content_type, body = raw_answer(
+        launcher.port,
+        f"GET /api/v1/{'a' * 10_000} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode(),
+    )
+    assert (status, content_type, body["code"]) == (414, "application/problem+json", "URI_TOO_LONG"), body
+    status, content_type, body = raw_answer(
+        launcher.port,
+        f"GET /api/v1/ HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * 10_000}\r\nConnection: close\r\n\r\n".encode(),
+    )
+    assert (status, content_type, body["code"]) == expected, body
+    # Over the front's own line buffer (16 KiB).
+    status, content_type, body = raw_answer(
+        launcher.port,
+        f"GET /api/v1/{'a' * 20_000} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode(),
+    )
+    assert (status, content_type, body["code"]) == (414, "application/problem+json", "URI_TOO_LONG"), body
