@@ -68,7 +68,8 @@ def find_by_idempotency_key(
         return None
     if existing.rendered_digest != rendered_digest:
         raise IdempotencyConflict(
-            "the same Idempotency-Key was used with a different rendered payload",
+            "the same Idempotency-Key was used with a different request: its rendered payload, or its "
+            "requestId, taskClass, modelPool, modelRevision, maxOutput or dispatch",
             reservationId=str(existing.pk),
         )
     return existing
