@@ -49,6 +49,8 @@ ImageFormula = Literal["tiles512", "pixels750"]
 IMAGE_FORMULAS: tuple[ImageFormula, ...] = ("tiles512", "pixels750")
 # Images are scaled down so that their long side is at most this many pixels before the formula applies.
 IMAGE_MAX_SIDE = 2048
+# ``tiles512`` then scales the short side down to this many pixels (OpenAI's rule for a high-detail image).
+TILES_SHORT_SIDE = 768
 
 
 class CountingUnavailable(Exception):
@@ -348,9 +350,10 @@ def _has_byte_level(pre_tokenizer: object) -> bool:
 def image_tokens(width: int, height: int, formula: ImageFormula) -> int:
     """Return the token cost of an image after scaling its long side down to ``IMAGE_MAX_SIDE``.
 
-    ``tiles512``: 85 + 170 per 512-pixel tile; ``pixels750``: one token per 750 pixels, rounded up. Scaled
-    sides are rounded up, so the cost is never under-counted. Raises ValueError for an unknown formula or a
-    non-positive side.
+    ``tiles512``: OpenAI's published rule for a high-detail image, 85 + 170 per 512-pixel tile once its short
+    side is also scaled down to ``TILES_SHORT_SIDE``; ``pixels750``: one token per 750 pixels, rounded up.
+    Scaled sides are rounded up, so the cost is never under-counted. Raises ValueError for an unknown formula
+    or a non-positive side.
     """
     if width <= 0 or height <= 0:
         raise ValueError("image sides must be positive")
@@ -359,6 +362,10 @@ def image_tokens(width: int, height: int, formula: ImageFormula) -> int:
         width = -(-width * IMAGE_MAX_SIDE // long_side)
         height = -(-height * IMAGE_MAX_SIDE // long_side)
     if formula == "tiles512":
+        short_side = min(width, height)
+        if short_side > TILES_SHORT_SIDE:
+            width = -(-width * TILES_SHORT_SIDE // short_side)
+            height = -(-height * TILES_SHORT_SIDE // short_side)
         return 85 + 170 * math.ceil(width / 512) * math.ceil(height / 512)
     if formula == "pixels750":
         return -(-width * height // 750)

@@ -210,7 +210,10 @@ def test_compactions_render_in_place_of_their_turns() -> None:
     [
         (512, 512, "tiles512", 255),
         (513, 512, "tiles512", 425),
-        (4000, 3000, "tiles512", 85 + 170 * 4 * 3),  # scaled to 2048 x 1536
+        (4000, 3000, "tiles512", 85 + 170 * 2 * 2),  # scaled to 2048 x 1536, then 1024 x 768
+        (2048, 4096, "tiles512", 1105),  # OpenAI's own example: 768 x 1536, 6 tiles
+        (1920, 1080, "tiles512", 85 + 170 * 3 * 2),  # 1366 x 768 (rounded up)
+        (700, 5000, "tiles512", 85 + 170 * 1 * 4),  # 287 x 2048: the short side is under 768 already
         (1, 1, "tiles512", 255),
         (750, 1, "pixels750", 1),
         (751, 1, "pixels750", 2),
