@@ -105,6 +105,22 @@ def _written(
         return with_retries(locked)
 
 
+_REASON_LENGTH = Reservation._meta.get_field("failure_reason").max_length or 0
+
+
+def _recorded(reason: str) -> str:
+    """A failure reason as the reservation keeps it (the client's reason may fill the column alone)."""
+    return reason[:_REASON_LENGTH]
+
+
+def _failure_reasons(reason: str, request_sent: str, usage: Usage | None) -> set[str]:
+    """What ``fail`` records as the failure reason for this report, in whichever state it came."""
+    reasons = {f"failed before dispatch: {reason}", f"failed ({request_sent} sent): {reason}"}
+    if request_sent == RequestSent.NO and usage is None:
+        reasons.add(f"never processed: {reason}")
+    return {_recorded(text) for text in reasons}
+
+
 def _refuse(reservation: Reservation, action: str) -> InvalidTransition:
     return InvalidTransition(
         f"cannot {action} a reservation in state {reservation.state}",
@@ -351,7 +367,7 @@ def fail(
                 now=now,
                 release_input=reservation.input_reserved,
             )
-            reservation.failure_reason = f"failed before dispatch: {reason}"
+            reservation.failure_reason = _recorded(f"failed before dispatch: {reason}")
         elif reservation.state == State.DISPATCHED and request_sent == RequestSent.NO and usage is None:
             settle(
                 posts,
@@ -360,7 +376,7 @@ def fail(
                 now=now,
                 refund_input=reservation.input_consumed,
             )
-            reservation.failure_reason = f"never processed: {reason}"
+            reservation.failure_reason = _recorded(f"never processed: {reason}")
         elif reservation.state in {State.DISPATCHED, State.RUNNING}:
             if usage is not None and not recorded:
                 # No look-up of the event id first: its unique index answers a repeat (one statement fewer).
@@ -371,13 +387,21 @@ def fail(
                     input_tokens=usage.input_tokens,
                     final=False,
                 )
-            reservation.settle_partially(f"failed ({request_sent} sent): {reason}")
+            reservation.settle_partially(_recorded(f"failed ({request_sent} sent): {reason}"))
             # A later "not found" from the provider cannot prove non-processing against this report.
             reservation.request_sent = request_sent
         elif reservation.state in {
             State.PARTIALLY_SETTLED,
             State.SETTLED,
         } and reservation.failure_reason.startswith(("failed", "never processed")):
+            if reservation.failure_reason not in _failure_reasons(reason, request_sent, usage):
+                # Not this call's repeat: another report of the failure (say, the request was sent after
+                # all) would be lost if it were answered as one.
+                raise InvalidTransition(
+                    f"the reservation already failed as {reservation.failure_reason!r}",
+                    state=reservation.state,
+                    outcome=reservation.outcome or None,
+                )
             return reservation
         else:
             raise _refuse(reservation, "fail")

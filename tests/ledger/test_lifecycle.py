@@ -299,6 +299,38 @@ def test_a_failure_with_a_usage_event_recorded_with_other_amounts_is_a_conflict_
     assert balances(t) == (0, 46, 100, 4, 1)
 
 
+def fail_report(cat: Any, r: Reservation, sent: str, reason: str = "connection refused") -> Reservation:
+    return lifecycle.fail(
+        reservation_id=r.pk, tenant_ids=_tids(cat), fence=1, reason=reason, request_sent=sent, usage=None,
+        now=now(),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("first", [lifecycle.RequestSent.NO, lifecycle.RequestSent.UNKNOWN])
+def test_a_failure_repeated_is_answered_as_before_and_a_different_one_is_refused(setup, first):
+    """A retry of the same report changes nothing; another report (say, the request was sent after all)
+    would be lost if it were answered as one: it is refused, and nothing is written."""
+    cat, t, _ = setup
+    r = fail_report(cat, dispatched(cat), first)
+    entries, before = LedgerEntry.objects.count(), balances(t)
+    assert fail_report(cat, r, first).failure_reason == r.failure_reason
+    other = lifecycle.RequestSent.YES
+    for sent, reason in [(other, "connection refused"), (first, "a different reason")]:
+        with pytest.raises(InvalidTransition, match="already failed as"):
+            fail_report(cat, r, sent, reason)
+    r.refresh_from_db()
+    assert (LedgerEntry.objects.count(), balances(t)) == (entries, before)
+    assert audit().ok
+
+
+def test_a_failure_reason_as_long_as_the_api_takes_is_kept_cut_to_the_column(setup):
+    cat, _, _ = setup
+    reason = "r" * 300
+    r = fail_report(cat, dispatched(cat), lifecycle.RequestSent.UNKNOWN, reason)
+    assert r.failure_reason == f"failed (unknown sent): {reason}"[:300]
+    assert fail_report(cat, r, lifecycle.RequestSent.UNKNOWN, reason).pk == r.pk
+
+
 def test_failure_before_dispatch_releases(setup):
     cat, t, _ = setup
     r = reserved(cat)

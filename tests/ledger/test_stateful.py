@@ -51,6 +51,8 @@ class Model:
     held: bool = True
     dispatched: bool = False
     reason: str = ""
+    # The requestSent a repeat of the failure must say to be answered as one ("" for any: before dispatch).
+    failed_as: str = ""
     events: dict[str, tuple[int, bool]] = field(default_factory=dict)
     top_up_ids: dict[str, int] = field(default_factory=dict)
     s_reserved: int = 0
@@ -303,11 +305,14 @@ class LedgerMachine(RuleBasedStateMachine):
             model.release_money()
             model.consumed = 0
             model.post_money()  # the input's money is refunded
+            model.failed_as = sent
         elif model.state in {"DISPATCHED", "RUNNING"}:
             assert err is None
-            model.state, model.reason = "PARTIALLY_SETTLED", "failed"
+            model.state, model.reason, model.failed_as = "PARTIALLY_SETTLED", "failed", sent
+        elif model.reason in {"failed", "released"} and model.failed_as in {"", sent}:
+            assert err is None  # a repeat of the same report
         elif model.reason in {"failed", "released"}:
-            assert err is None
+            assert isinstance(err, InvalidTransition), "another report of the failure is refused"
         else:
             assert isinstance(err, InvalidTransition)
 
