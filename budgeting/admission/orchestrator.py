@@ -35,7 +35,7 @@ from ladder.parser import parse_components
 from ladder.rungs import ModelSpec, minimum_evidence_ids
 from ladder.walk import ProviderCount
 from ladder.wire import decision_manifest, decision_response, step_json
-from ledger.errors import QuotaExceeded
+from ledger.errors import PriceUnavailable, QuotaExceeded
 from ledger.models import Reservation, State
 from ledger.services import admission as ledger_admission
 
@@ -477,10 +477,11 @@ def _admit(
                 ),
             )
             span.set_attribute("tokenbudget.state", admitted.reservation.state)
-    except QuotaExceeded:
-        # The ladder admitted it; the ledger did not (nothing was written). The manifest says so.
+    except (QuotaExceeded, PriceUnavailable) as refused:
+        # The ladder admitted it; the ledger did not (nothing was written): no capacity, or a money limit
+        # and no price to hold it at. The manifest says so.
         manifest.pk = None
-        _record(manifest, Answer.QUOTA_EXCEEDED)
+        _record(manifest, Answer(refused.code))
         raise
     if admitted.replayed:
         return _replay(admitted.reservation)

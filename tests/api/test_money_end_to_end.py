@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
+from budgeting.admission.models import Manifest
 from budgeting.backoffice.reports.pricing import usage_rows
 from budgeting.backoffice.reports.query import ReportQuery
 from budgeting.catalog.prices import cost, from_micro
@@ -137,3 +138,6 @@ def test_a_money_limit_in_a_currency_without_a_price_is_price_unavailable(demo_a
     assert res.status_code == 422, res.content[:300]
     assert res.json()["code"] == "PRICE_UNAVAILABLE" and res.json()["currency"] == "EUR"
     assert Reservation.objects.count() == 0
+    # A rejected admission is a decision too (SPEC §7): its manifest says why.
+    manifest = Manifest.objects.get(request_id="eur-1")
+    assert (manifest.decision, manifest.answer) == ("ADMITTED", "PRICE_UNAVAILABLE")
