@@ -349,8 +349,12 @@ def _answered_status(error: BaseException) -> int | None:
 
     Only errors the HTTP clients raise for a received answer count (httpx's ``HTTPStatusError``, the
     OpenAI SDK's ``APIStatusError``): LiteLLM's own exceptions carry a status even for a connection
-    error, so their ``status_code`` proves nothing.
+    error, so their ``status_code`` proves nothing. Some of them subclass the OpenAI SDK's
+    (``litellm.InternalServerError`` is an ``APIStatusError`` with a made-up 500 for a reset connection):
+    none of LiteLLM's counts, only the error it wraps.
     """
+    if type(error).__module__.partition(".")[0] == "litellm":
+        return None
     names = {klass.__name__ for klass in type(error).__mro__}
     if not names & {"HTTPStatusError", "APIStatusError"}:
         return None

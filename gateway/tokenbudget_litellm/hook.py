@@ -331,7 +331,8 @@ class TokenBudgetHook(CustomLogger):
     async def _settle_with_usage(self, ticket: Ticket, state: _CallState, usage: Any, answer: Any) -> None:
         prompt = getattr(usage, "prompt_tokens", None)
         completion = getattr(usage, "completion_tokens", None)
-        if not isinstance(prompt, int) or not isinstance(completion, int):
+        # LiteLLM fills an answer's missing usage in as zeros, and no call has no input: that is no usage.
+        if not isinstance(prompt, int) or not isinstance(completion, int) or prompt <= 0:
             await self.calls.fail(
                 ticket, request_sent=True, reason="missing_final_usage", output_seen=state.chunks
             )

@@ -269,6 +269,29 @@ class LiteLLMError(Exception):
     response = Response(500)
 
 
+class APIStatusError(Exception):
+    """Named as the OpenAI SDK's: an HTTP answer was received."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.response = Response(status)
+
+
+class InternalServerError(APIStatusError):
+    """As ``litellm.InternalServerError``: a subclass of the OpenAI SDK's, with a made-up 500 even for a
+    connection error."""
+
+
+InternalServerError.__module__ = "litellm.exceptions"
+
+
+def wrapped_as_litellm(cause: BaseException) -> InternalServerError:
+    try:
+        raise InternalServerError(500) from cause
+    except InternalServerError as error:
+        return error
+
+
 def wrapped(cause: BaseException) -> LiteLLMError:
     try:
         raise LiteLLMError("wrapped") from cause
@@ -288,8 +311,24 @@ def wrapped(cause: BaseException) -> LiteLLMError:
         (wrapped(ConnectionRefusedError("refused")), 0, False),
         (LiteLLMError("no cause"), 0, "unknown"),
         (wrapped(APIConnectionError("reset")), 3, True),
+        (wrapped_as_litellm(APIConnectionError("reset")), 0, "unknown"),
+        (wrapped_as_litellm(APIStatusError(429)), 0, False),
+        (wrapped_as_litellm(APIStatusError(500)), 0, True),
     ],
-    ids=["429", "400", "500", "409", "reset", "timeout", "refused", "litellm-only", "mid-stream"],
+    ids=[
+        "429",
+        "400",
+        "500",
+        "409",
+        "reset",
+        "timeout",
+        "refused",
+        "litellm-only",
+        "mid-stream",
+        "litellm-500-reset",
+        "litellm-500-over-429",
+        "litellm-500-over-500",
+    ],
 )
 def test_request_sent_is_false_only_with_proof(error: BaseException, chunks: int, expected: object) -> None:
     assert request_sent_of(error, chunks) == expected

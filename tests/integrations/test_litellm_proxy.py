@@ -226,6 +226,49 @@ def test_a_provider_that_refuses_the_call_releases_the_reservation_in_full(
     assert_clean(simulator)
 
 
+def test_a_reset_connection_is_a_failure_with_the_request_sent_unknown(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    """LiteLLM raises its InternalServerError (an OpenAI SDK APIStatusError with a made-up 500) for a reset
+    connection: that is no answer of the provider's. It was posted as sent and answered 500."""
+    simulator, _ = sim
+    simulator.script("reset_before_read")
+
+    with pytest.raises(openai.APIError):
+        ask(proxy, stream=False, items=[evidence("e1")])
+
+    wait_for(
+        lambda: Reservation.objects.filter(state=ReservationState.PARTIALLY_SETTLED).exists(),
+        timeout=20,
+        what="the failure",
+    )
+    row = Reservation.objects.get()
+    assert row.request_sent == "unknown", row.failure_reason
+    assert row.failure_reason.startswith("failed (unknown sent)")
+    assert row.remaining > 0, "unknown is never released as zero"
+
+
+def test_an_answer_without_usage_is_a_failure_never_a_completion_of_zero_tokens(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    """The provider answered but reported no usage: LiteLLM fills it in as zeros, which settled the call as
+    COMPLETED with 0 tokens and released all it held."""
+    simulator, _ = sim
+    simulator.script("omit_usage")
+
+    ask(proxy, stream=False, items=[evidence("e1")])
+
+    wait_for(
+        lambda: Reservation.objects.exclude(state=ReservationState.DISPATCHED).exists(),
+        timeout=20,
+        what="the settlement",
+    )
+    row = Reservation.objects.get()
+    assert (row.state, row.outcome) != (ReservationState.SETTLED, "COMPLETED")
+    assert "missing_final_usage" in row.failure_reason
+    assert row.remaining > 0
+
+
 def test_a_stream_the_client_abandons_is_cancelled_then_reconciled_from_the_provider(
     proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
 ) -> None:
