@@ -206,21 +206,28 @@ def test_an_over_quota_request_is_refused_429_at_the_client(
     assert_clean(simulator)
 
 
+def after_fault(
+    proxy: LiteLLMProxy, simulator: Simulator, fault: str, state: str, raises: type[Exception] | None
+) -> Reservation:
+    """The one reservation of a plain call the provider answers with ``fault``, once it reached ``state``
+    (the client saw ``raises``, or an answer)."""
+    simulator.script(fault)
+    if raises is None:
+        ask(proxy, stream=False, items=[evidence("e1")])
+    else:
+        with pytest.raises(raises):
+            ask(proxy, stream=False, items=[evidence("e1")])
+    wait_for(
+        lambda: Reservation.objects.filter(state=state).exists(), timeout=20, what=f"the reservation {state}"
+    )
+    return Reservation.objects.get()
+
+
 def test_a_provider_that_refuses_the_call_releases_the_reservation_in_full(
     proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
 ) -> None:
     simulator, _ = sim
-    simulator.script("rate_limited")
-
-    with pytest.raises(openai.RateLimitError):
-        ask(proxy, stream=False, items=[evidence("e1")])
-
-    wait_for(
-        lambda: Reservation.objects.filter(state=ReservationState.SETTLED).exists(),
-        timeout=20,
-        what="settlement",
-    )
-    row = Reservation.objects.get()
+    row = after_fault(proxy, simulator, "rate_limited", ReservationState.SETTLED, openai.RateLimitError)
     assert (row.outcome, row.input_consumed, row.captured) == ("RELEASED", 0, 0)
     assert row.failure_reason.startswith("never processed: provider_http_429")
     assert_clean(simulator)
@@ -232,17 +239,9 @@ def test_a_reset_connection_is_a_failure_with_the_request_sent_unknown(
     """LiteLLM raises its InternalServerError (an OpenAI SDK APIStatusError with a made-up 500) for a reset
     connection: that is no answer of the provider's. It was posted as sent and answered 500."""
     simulator, _ = sim
-    simulator.script("reset_before_read")
-
-    with pytest.raises(openai.APIError):
-        ask(proxy, stream=False, items=[evidence("e1")])
-
-    wait_for(
-        lambda: Reservation.objects.filter(state=ReservationState.PARTIALLY_SETTLED).exists(),
-        timeout=20,
-        what="the failure",
+    row = after_fault(
+        proxy, simulator, "reset_before_read", ReservationState.PARTIALLY_SETTLED, openai.APIError
     )
-    row = Reservation.objects.get()
     assert row.request_sent == "unknown", row.failure_reason
     assert row.failure_reason.startswith("failed (unknown sent)")
     assert row.remaining > 0, "unknown is never released as zero"
@@ -254,16 +253,7 @@ def test_an_answer_without_usage_is_a_failure_never_a_completion_of_zero_tokens(
     """The provider answered but reported no usage: LiteLLM fills it in as zeros, which settled the call as
     COMPLETED with 0 tokens and released all it held."""
     simulator, _ = sim
-    simulator.script("omit_usage")
-
-    ask(proxy, stream=False, items=[evidence("e1")])
-
-    wait_for(
-        lambda: Reservation.objects.exclude(state=ReservationState.DISPATCHED).exists(),
-        timeout=20,
-        what="the settlement",
-    )
-    row = Reservation.objects.get()
+    row = after_fault(proxy, simulator, "omit_usage", ReservationState.PARTIALLY_SETTLED, None)
     assert (row.state, row.outcome) != (ReservationState.SETTLED, "COMPLETED")
     assert "missing_final_usage" in row.failure_reason
     assert row.remaining > 0
