@@ -390,6 +390,10 @@ def fail(
             reservation.settle_partially(_recorded(f"failed ({request_sent} sent): {reason}"))
             # A later "not found" from the provider cannot prove non-processing against this report.
             reservation.request_sent = request_sent
+            if request_sent == RequestSent.YES:
+                # The provider answered (an error, a cut stream) and the gateway closed the call: it stopped,
+                # so its slot goes now (SPEC §5). Sent-or-not unknown may still run: the reclaimer decides.
+                slots.free_slot(posts, "failed after dispatch: the provider call ended")
         elif reservation.state in {
             State.PARTIALLY_SETTLED,
             State.SETTLED,

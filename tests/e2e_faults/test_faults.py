@@ -175,7 +175,7 @@ def test_stream_cut_after_k_chunks_settles_partial_usage_holds_the_rest_then_bil
     # Partial usage settled (a lower bound: one token per content chunk seen), the rest still held.
     assert r.state == State.PARTIALLY_SETTLED and r.captured == 6 <= entry.completion_tokens
     assert held(result.reservation_id)["output_reserved"] == 3 * (r.output_reserved - 6)
-    assert held(result.reservation_id)["in_flight"] == 3
+    assert held(result.reservation_id)["in_flight"] == 0, "the cut stream ended: its slot goes (SPEC §5)"
 
     # The lease runs out while the provider's lookup is down: frozen, nothing released.
     sim.script_lookup("unknown")
@@ -262,7 +262,9 @@ def test_an_unknown_provider_outcome_is_never_released_as_zero(
     assert result.outcome == "failed" and result.request_sent in (True, "unknown")
     r = reservation(result.reservation_id)
     assert r.state == State.PARTIALLY_SETTLED
-    assert held(result.reservation_id)["in_flight"] == 3, "nothing is released on an unknown outcome"
+    assert held(result.reservation_id)["output_reserved"] > 0, "no token is released on an unknown outcome"
+    # A call the provider answered has ended and frees its slot; one that may not have reached it may run.
+    assert held(result.reservation_id)["in_flight"] == (0 if result.request_sent is True else 3)
     expire(result.reservation_id)
     tasks.reclaim_expired_leases()
     r.refresh_from_db()

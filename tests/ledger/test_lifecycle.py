@@ -249,7 +249,7 @@ def test_failure_with_proof_of_non_processing_releases_and_refunds(setup):
 
 
 @pytest.mark.parametrize("sent", [lifecycle.RequestSent.YES, lifecycle.RequestSent.UNKNOWN])
-def test_failure_without_proof_keeps_everything_held(setup, sent):
+def test_failure_without_proof_keeps_the_tokens_held(setup, sent):
     cat, t, _ = setup
     r = dispatched(cat)
     r = lifecycle.fail(
@@ -263,7 +263,11 @@ def test_failure_without_proof_keeps_everything_held(setup, sent):
     )
     assert r.state == State.PARTIALLY_SETTLED
     assert (r.captured, r.remaining) == (4, 46)
-    assert balances(t) == (0, 46, 100, 4, 1), "unknown is never released as zero"
+    # The provider answered (sent: yes): the call ended and its slot goes; sent-or-not unknown may still run.
+    in_flight = 0 if sent == lifecycle.RequestSent.YES else 1
+    assert balances(t) == (0, 46, 100, 4, in_flight), "unknown is never released as zero"
+    assert r.concurrency_held is (in_flight == 1)
+    assert r.entries.filter(kind="SLOT_FREE").count() == (1 - in_flight) * r.holds.count()
 
 
 def fail_with_usage(cat: Any, r: Reservation, event: str, out: int) -> Reservation:
@@ -284,7 +288,7 @@ def test_a_failure_repeating_a_recorded_usage_event_settles_without_capturing_it
     r = fail_with_usage(cat, r, "e1", 4)
     assert r.state == State.PARTIALLY_SETTLED
     assert (r.captured, r.remaining, r.usage_events.count()) == (4, 46, 1)
-    assert balances(t) == (0, 46, 100, 4, 1)
+    assert balances(t) == (0, 46, 100, 4, 0), "the call ended: its slot is free"
     assert audit().ok
 
 

@@ -309,6 +309,8 @@ class LedgerMachine(RuleBasedStateMachine):
         elif model.state in {"DISPATCHED", "RUNNING"}:
             assert err is None
             model.state, model.reason, model.failed_as = "PARTIALLY_SETTLED", "failed", sent
+            # The provider answered: the call ended and its slot goes; sent-or-not unknown may still run.
+            model.held = model.held and sent != "yes"
         elif model.reason in {"failed", "released"} and model.failed_as in {"", sent}:
             assert err is None  # a repeat of the same report
         elif model.reason in {"failed", "released"}:
