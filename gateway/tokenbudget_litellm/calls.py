@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 # Our API's identifier pattern: a provider id that does not fit is not used in usage event ids.
 _IDENTIFIER: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,180}")
 _MAX_REASON: Final = 300
+WITHDRAWN: Final = "admission given up by the gateway: no provider call was made"
 
 
 class Refusal(Exception):
@@ -188,6 +189,33 @@ class Calls:
                     response.headers.get("retry-after"),
                 )
             await self._sleep(min(retry_after, left))
+
+    async def withdraw(self, request: AdmissionRequest) -> str | None:
+        """Release an admission this hook gave up waiting for: our API may have granted it all the same.
+
+        Asked again with the same key and body, the first answer stands (or, if the first never arrived,
+        it is granted now); no provider call was made for it, so what it holds is released in full.
+        Returns the id of the reservation released (``None``: a refusal or a shadow answer held nothing).
+        Raises ``GatewayError`` if our API is still unreachable: the lease then expires and the reclaimer
+        releases it.
+        """
+        provider_request_id = provider_request_id_of(request) if self._dispatch_at_admission else None
+        try:
+            response = await self._post_admission(request, provider_request_id)
+        except Refusal:
+            return None
+        if response.status == 202:
+            await self._give_up_queued(response.body)
+            body = response.body if isinstance(response.body, dict) else {}
+            return str(body.get("reservationId"))
+        ticket = self._admitted(response, provider_request_id).ticket
+        if ticket is None:
+            return None
+        if ticket.dispatched:
+            await self.fail(ticket, request_sent=False, reason=WITHDRAWN)
+        else:
+            await self.cancel(ticket)
+        return ticket.reservation_id
 
     async def dispatch(self, ticket: Ticket) -> None:
         """Record the dispatch; raises ``GatewayError`` (``StaleFence`` included) if it was not recorded."""

@@ -19,7 +19,10 @@ Every call to our API is a coroutine on the proxy's event loop over kept-alive c
   tenant, task class or pool 400), our problem (its ``code`` in ``error.provider_specific_fields``) and
   ``Retry-After``, and is logged in one line. If admission cannot be decided (our API unreachable or not
   answering within the deadline, or this hook fails) the call is refused 503 ``ADMISSION_UNAVAILABLE``, or
-  let through unadmitted and logged when ``failOpen`` is set. Shadow tenants' calls go unchanged.
+  let through unadmitted and logged when ``failOpen`` is set. An admission given up on that way may still
+  be granted by our API: it is withdrawn in the background (``Calls.withdraw``: asked again with the same
+  key, then released in full) unless its key is the caller's own ``requestId``, which the caller may retry
+  with. Shadow tenants' calls go unchanged.
 - ``async_pre_call_deployment_hook``: right before the provider call, the provider request id is sent as
   ``X-Request-Id`` (and the dispatch recorded, where the admission could not: a queued admission). A
   second attempt for the same reservation (a retry or a fallback) is refused.
@@ -62,7 +65,13 @@ from litellm.integrations.custom_logger import CustomLogger
 from tokenbudget_gateway.errors import GatewayError, StaleFence
 
 from tokenbudget_litellm.calls import Calls, Refusal, Ticket, failure_reason, request_sent_of
-from tokenbudget_litellm.mapping import Caller, MappingError, apply_admitted, to_admission
+from tokenbudget_litellm.mapping import (
+    AdmissionRequest,
+    Caller,
+    MappingError,
+    apply_admitted,
+    to_admission,
+)
 from tokenbudget_litellm.settings import HookSettings
 from tokenbudget_litellm.transport import AsyncApi
 
@@ -149,12 +158,19 @@ class TokenBudgetHook(CustomLogger):
         )
         try:
             request = to_admission(data, group, caller, self.settings)
-            admitted = await self.calls.admit(request)
         except MappingError as exc:
             raise _refused(Refusal.of(400, exc.code, exc.detail), name) from exc
+        except Exception as exc:
+            return self._undecided(data, exc)
+        try:
+            admitted = await self.calls.admit(request)
         except Refusal as exc:
             raise _refused(exc, name) from exc
         except Exception as exc:
+            if not request.callers_key:
+                # Our API may still grant what we gave up on: release it rather than leave it held until
+                # its lease expires. (A caller's own requestId is the caller's to retry with.)
+                self._in_background(self._withdraw(request))
             return self._undecided(data, exc)
         if admitted.ticket is None:
             return data
@@ -386,6 +402,20 @@ class TokenBudgetHook(CustomLogger):
                 await self.calls.cancel(ticket, output_seen=state.chunks)
         except GatewayError as exc:
             logger.warning("cancel of reservation %s not posted: %s", ticket.reservation_id, exc)
+
+    async def _withdraw(self, request: AdmissionRequest) -> None:
+        try:
+            withdrawn = await self.calls.withdraw(request)
+        except Exception as exc:
+            logger.warning(
+                "admission %s given up and not withdrawn; its lease will expire: %s",
+                request.idempotency_key,
+                exc,
+                exc_info=None if isinstance(exc, GatewayError) else exc,
+            )
+            return
+        if withdrawn is not None:
+            logger.info("withdrew reservation %s: the admission was given up, nothing was sent", withdrawn)
 
     async def _release(self, ticket: Ticket, state: _CallState, reason: str) -> None:
         """Nothing was sent to the provider: release in full (``fail`` once the dispatch is recorded)."""

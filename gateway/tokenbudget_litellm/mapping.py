@@ -66,11 +66,16 @@ class Caller:
 
 @dataclass(frozen=True)
 class AdmissionRequest:
-    """The admission body, its ``Idempotency-Key`` and the caller's ``traceparent`` if it sent one."""
+    """The admission body, its ``Idempotency-Key`` and the caller's ``traceparent`` if it sent one.
+
+    ``callers_key``: the key is the caller's ``requestId`` (a retry of the caller's may send it again),
+    not one made up for this call alone.
+    """
 
     body: dict[str, Any]
     idempotency_key: str
     traceparent: str | None = None
+    callers_key: bool = False
 
 
 def caller_metadata(data: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -135,7 +140,12 @@ def to_admission(
         "maxOutput": _max_output(data, group),
         "components": components,
     }
-    return AdmissionRequest(body=body, idempotency_key=str(request_id), traceparent=_traceparent(data))
+    return AdmissionRequest(
+        body=body,
+        idempotency_key=str(request_id),
+        traceparent=_traceparent(data),
+        callers_key="requestId" in extra,
+    )
 
 
 def _traceparent(data: Mapping[str, Any]) -> str | None:

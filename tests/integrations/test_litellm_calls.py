@@ -12,7 +12,14 @@ from typing import Any, TypeVar
 import pytest
 from tokenbudget_gateway.errors import ApiError, ApiUnavailable
 from tokenbudget_gateway.transport import ApiResponse
-from tokenbudget_litellm.calls import Calls, Refusal, Ticket, failure_reason, request_sent_of
+from tokenbudget_litellm.calls import (
+    WITHDRAWN,
+    Calls,
+    Refusal,
+    Ticket,
+    failure_reason,
+    request_sent_of,
+)
 from tokenbudget_litellm.mapping import AdmissionRequest
 
 T = TypeVar("T")
@@ -190,6 +197,50 @@ def test_a_queued_admission_that_does_not_clear_in_time_is_cancelled_and_refused
         ("GET", "/api/v1/reservations/q-1", None),
         ("POST", "/api/v1/reservations/q-1/cancel", {"fence": 1}),
     ]
+
+
+def test_a_withdrawn_admission_is_asked_again_with_the_same_key_and_released_in_full() -> None:
+    dispatched = ApiResponse(200, {"idempotent-replayed": "true"}, {**GRANT, "state": "DISPATCHED"})
+    api = ScriptedApi(dispatched, ApiResponse(200, {}, {}))
+
+    assert run(calls(api).withdraw(REQUEST)) == GRANT["reservationId"]
+
+    admission, release = api.sent
+    assert admission.headers == {"Idempotency-Key": "r-1"}
+    assert admission.body["dispatch"]["providerRequestId"].startswith("tbr-")
+    assert (release.path, release.body) == (
+        f"/api/v1/reservations/{GRANT['reservationId']}/fail",
+        {"fence": 3, "reason": WITHDRAWN, "requestSent": False},
+    ), "no provider call was made for it: proof of non-processing"
+
+
+def test_a_withdrawn_admission_not_yet_dispatched_is_cancelled() -> None:
+    api = ScriptedApi(ApiResponse(201, {}, {**GRANT, "state": "RESERVED"}), ApiResponse(200, {}, {}))
+
+    run(calls(api, dispatch_at_admission=False).withdraw(REQUEST))
+
+    assert [(sent.path, sent.body) for sent in api.sent[1:]] == [
+        (f"/api/v1/reservations/{GRANT['reservationId']}/cancel", {"fence": 3})
+    ]
+
+
+def test_a_withdrawn_admission_that_was_refused_or_queued_holds_nothing_or_is_cancelled() -> None:
+    refused = ScriptedApi(ApiError(429, {"code": "QUOTA_EXCEEDED"}, "/api/v1/admissions", "3"))
+    assert run(calls(refused).withdraw(REQUEST)) is None
+    assert len(refused.sent) == 1
+
+    queued = ApiResponse(202, {"retry-after": "2"}, {"reservationId": "q-1", "state": "PROPOSED"})
+    api = ScriptedApi(queued, ApiResponse(200, {}, {"lease": {"fence": 1}}), ApiResponse(200, {}, {}))
+    run(calls(api).withdraw(REQUEST))
+    assert [(sent.method, sent.path) for sent in api.sent[1:]] == [
+        ("GET", "/api/v1/reservations/q-1"),
+        ("POST", "/api/v1/reservations/q-1/cancel"),
+    ]
+
+
+def test_a_withdrawal_our_api_does_not_answer_is_the_callers_to_log() -> None:
+    with pytest.raises(ApiUnavailable):
+        run(calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "hung"))).withdraw(REQUEST))
 
 
 def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -> None:

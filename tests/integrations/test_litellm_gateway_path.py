@@ -7,25 +7,30 @@ What each test proves is in its name.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from budgeting.catalog.models import ModelRevision
+from budgeting.provisioning.apply import apply_config
+from budgeting.provisioning.source import load_file
 from ledger.models import CapacityAccount, EntryKind, LedgerEntry, Reservation
 from ledger.models import State as ReservationState
 from reconciliation import tasks
 from simulation.billing import BillingStatus
 from simulation.provider import Simulator
-from tests.e2e_faults.harness import assert_clean, point_pools_at, wait_for
+from tests.e2e_faults.harness import DEMO, assert_clean, point_pools_at, wait_for
 from tests.integrations.conftest import HOOK_DEADLINE_S, Gunicorn, Ports, RecordingCounter
 from tests.integrations.litellm_proxy import LiteLLMProxy
 from tests.integrations.test_litellm_proxy import CLAUSE, RULES, client, evidence, settled
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -277,8 +282,131 @@ def test_a_hung_api_is_refused_503_within_the_one_deadline(
     assert refused.value.body["provider_specific_fields"]["code"] == "ADMISSION_UNAVAILABLE"  # type: ignore[index]
     assert hung_api, "the hook never reached the hung server"
     assert counter.seen == [] and simulator.entries() == []
+    # The hook then tries to withdraw what our API may have granted; it cannot reach it either, says so
+    # in one more line, and leaves the lease to expire.
+    wait_for(
+        lambda: "not withdrawn" in proxy.log.read_text(errors="replace")[len(log_before) :],
+        timeout=HOOK_DEADLINE_S + 5,
+        what="the withdrawal to give up",
+    )
     logged = logged_since(proxy, log_before)
-    assert len(logged) == 1 and "refused 503" in logged[0], logged
+    assert len(logged) == 2 and "refused 503" in logged[0] and "not withdrawn" in logged[1], logged
+
+
+class SlowFront:
+    """Our API's port, forwarded to gunicorn; the first connection reaches gunicorn only ``delay_s`` after
+    it was opened (its request held until then), so the hook gives up on an admission our API then grants
+    all the same."""
+
+    def __init__(self, port: int, backend: int, delay_s: float) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener.settimeout(0.1)
+        self.backend, self.delay_s = backend, delay_s
+        self.connections = 0
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                downstream = self.listener.accept()[0]
+            except TimeoutError:
+                continue
+            delay = self.delay_s if self.connections == 0 else 0.0
+            self.connections += 1
+            self._start(self._forward, downstream, delay)
+
+    def _start(self, *args: Any) -> None:
+        thread = threading.Thread(target=args[0], args=args[1:], daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def _forward(self, downstream: socket.socket, delay: float) -> None:
+        held = b""
+        downstream.settimeout(0.1)
+        until = time.monotonic() + delay
+        with contextlib.suppress(OSError):
+            # The request waits here (the client may give up meanwhile: it still reaches our API, late).
+            while time.monotonic() < until and not self.stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    held += downstream.recv(65536)
+            upstream = socket.create_connection(("127.0.0.1", self.backend))
+            upstream.settimeout(0.1)
+            upstream.sendall(held)
+            self._start(self._pump, upstream, downstream)
+            self._pump(downstream, upstream)
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not self.stop.is_set():
+                try:
+                    data = source.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    break
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(5)
+        self.listener.close()
+
+
+@pytest.fixture
+def slow_api(
+    transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path, api_env: dict[str, str]
+) -> Iterator[SlowFront]:
+    """The ``api`` fixture's gunicorn on a port of its own, behind a front on our API's port that holds
+    the first connection a second past the hook's deadline."""
+    apply_config(load_file(DEMO))
+    server = Gunicorn(free_port(), tmp_path / "gunicorn.log", env=api_env)
+    front = None
+    try:
+        server.start()
+        front = SlowFront(ports.api, server.port, HOOK_DEADLINE_S + 1)
+        yield front
+    finally:
+        if front is not None:
+            front.close()
+        server.stop()
+
+
+def test_an_admission_the_hook_gave_up_on_is_withdrawn_not_left_held(
+    proxy: LiteLLMProxy, slow_api: SlowFront, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, counter = sim
+    log_before = proxy.log.read_text(errors="replace")
+
+    with pytest.raises(openai.InternalServerError) as refused:
+        client(proxy).chat.completions.create(
+            model="support", messages=[{"role": "user", "content": "Where is my order?"}], max_tokens=20
+        )
+
+    assert refused.value.status_code == 503
+    # The hook asked again with the same key (the first answer stands) and released what it held in full;
+    # the delayed first request, arriving after, is a replay and holds nothing more.
+    wait_for(
+        lambda: Reservation.objects.filter(state=ReservationState.SETTLED).count() == 1,
+        timeout=2 * HOOK_DEADLINE_S,
+        what="the withdrawal",
+    )
+    time.sleep(2)
+    [row] = Reservation.objects.all()
+    assert (row.outcome, row.input_consumed, row.concurrency_held) == ("RELEASED", 0, False)
+    assert row.failure_reason.startswith("never processed: admission given up by the gateway")
+    assert not any(in_flight().values())
+    assert all(
+        account.input_reserved == account.output_reserved == 0 for account in CapacityAccount.objects.all()
+    )
+    assert slow_api.connections >= 2, "the withdrawal is a second call"
+    logged = logged_since(proxy, log_before)
+    assert len(logged) == 2 and "refused 503" in logged[0] and f"withdrew reservation {row.pk}" in logged[1]
+    assert counter.seen == [] and simulator.entries() == []
 
 
 def test_an_unknown_tenant_is_a_bad_request_in_one_log_line(
