@@ -27,7 +27,14 @@ refused — else the caller's, else the group's. The task class is the caller's,
 header on the proxy's request (W3C Trace Context) is sent on the admission, so our spans join its trace.
 
 Only text content is mapped: an image, audio or file part is refused (an image's token cost needs its
-size, which a URL does not give). ``n`` must be 1: a reservation covers one completion.
+size, which a URL does not give). ``n`` must be 1: a reservation covers one completion. A message's
+``name`` is refused too, not dropped: the admitted turns carry none.
+
+What the admitted payload says its own way: a ``json_schema`` response format is sent as our API renders
+it, ``{"name": "output", "strict": true, "schema": …}`` (the caller's name and strictness are not kept),
+and the authorization scope is always a system message of its own (``Authorization scope:
+{"permissions":[]}`` when neither the group nor the caller gives one), since it is a hard bucket of every
+admission.
 
 After admission the request carries exactly the admitted payload: its ``messages``, its ``tools`` (none
 if a rung dropped them all, and then no ``tool_choice``) and its ``response_format`` replace the caller's,
@@ -106,6 +113,12 @@ def to_admission(
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise MappingError("UNSUPPORTED_REQUEST", f"messages[{index}] is not an object")
+        if message.get("name"):
+            # Refused rather than dropped: the provider gets the admitted payload, whose messages carry
+            # no speaker name, and the model would never see it.
+            raise MappingError(
+                "UNSUPPORTED_REQUEST", f"messages[{index}].name is not mapped (admitted turns carry no name)"
+            )
         if message.get("role") in _SYSTEM_ROLES:
             system.append(_parts(message.get("content"), f"messages[{index}]"))
         else:

@@ -196,8 +196,9 @@ def test_a_json_schema_response_format_is_the_output_schema() -> None:
         ({"max_tokens": 0}, "UNSUPPORTED_REQUEST"),
         ({"tools": [{"type": "retrieval"}]}, "UNSUPPORTED_REQUEST"),
         ({"metadata": {"tokenbudget": "t-19"}}, "BAD_METADATA"),
+        ({"messages": [{"role": "user", "content": "q", "name": "ana"}]}, "UNSUPPORTED_REQUEST"),
     ],
-    ids=["image", "last-not-user", "empty", "n", "max-tokens", "non-function-tool", "metadata"],
+    ids=["image", "last-not-user", "empty", "n", "max-tokens", "non-function-tool", "metadata", "name"],
 )
 def test_what_cannot_be_mapped_is_refused_with_a_code(overrides: dict[str, Any], code: str) -> None:
     with pytest.raises(MappingError) as refused:
