@@ -261,6 +261,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": ["budgeting.api.parsers.StrictJSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["budgeting.api.renderers.FastJSONRenderer"],
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "budgeting.api.negotiation.RefusalAwareNegotiation",
     "EXCEPTION_HANDLER": "budgeting.api.problems.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "UNAUTHENTICATED_USER": None,

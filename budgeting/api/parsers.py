@@ -1,8 +1,8 @@
 """A JSON parser that refuses what ``json.loads`` would quietly accept.
 
-Refused, each with a stable code: bodies over ``MAX_REQUEST_BYTES``, invalid UTF-8, duplicate keys, NaN and
-Infinity, integers outside ±2^53 (they do not survive a JavaScript client), nesting deeper than 64, lone
-surrogates and NUL characters in strings or keys.
+Refused, each with a stable code: bodies over ``MAX_REQUEST_BYTES``, a declared charset other than UTF-8
+(415), invalid UTF-8, duplicate keys, NaN and Infinity, integers outside ±2^53 (they do not survive a
+JavaScript client), nesting deeper than 64, lone surrogates and NUL characters in strings or keys.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
 from django.conf import settings
+from rest_framework import exceptions as drf_exceptions
 from rest_framework.parsers import BaseParser
 
 from budgeting.api.problems import Problem
@@ -121,6 +122,15 @@ def loads_strict(raw: bytes) -> Any:
     return value
 
 
+def _charset(media_type: str) -> str | None:
+    """The ``charset`` parameter of a Content-Type, lower case and unquoted, or None."""
+    for param in media_type.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"').lower()
+    return None
+
+
 class StrictJSONParser(BaseParser):
     media_type = "application/json"
 
@@ -130,6 +140,12 @@ class StrictJSONParser(BaseParser):
         media_type: str | None = None,
         parser_context: Mapping[str, Any] | None = None,
     ) -> Any:
+        charset = _charset(media_type or "")
+        if charset not in (None, "utf-8", "utf8"):
+            raise drf_exceptions.UnsupportedMediaType(
+                media_type,
+                detail=f"JSON bodies are UTF-8 (RFC 8259), not charset={charset}",
+            )
         request = (parser_context or {}).get("request")
         declared = request.META.get("CONTENT_LENGTH") if request is not None else None
         if declared and declared.isdigit() and int(declared) > settings.MAX_REQUEST_BYTES:

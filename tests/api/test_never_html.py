@@ -65,6 +65,27 @@ def test_the_schema_in_a_format_it_does_not_serve_is_a_406_problem():
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("accept", "status"),
+    [
+        ("*/*;q=0", 406),
+        ("application/json;q=0", 406),
+        ("application/json;q=0, */*", 406),
+        ("text/html;q=0", 406),
+        ("application/json, */*;q=0", 200),
+        ("text/html;q=0, application/*;q=0.5", 200),
+        ("*/*", 200),
+    ],
+)
+def test_an_accept_header_refusing_json_with_q0_is_406(accept, status):
+    res = APIClient().get("/api/v1/", HTTP_ACCEPT=accept)
+    if status == 406:
+        assert_problem(res, 406, "NOT_ACCEPTABLE")
+    else:
+        assert res.status_code == 200 and res["Content-Type"].startswith("application/json")
+
+
+@pytest.mark.django_db
 def test_a_post_to_the_reports_is_a_405_problem_whatever_the_session():
     """The reports only read: a POST is refused by the view, not first by the CSRF check (403 ``ERROR``)."""
     anonymous = Client(enforce_csrf_checks=True)

@@ -248,6 +248,27 @@ def test_wrong_content_type_is_415(world):
     assert res.json()["code"] == "UNSUPPORTED_MEDIA_TYPE"
 
 
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("application/json; charset=utf-16", 415),
+        ('application/json; charset="ISO-8859-1"', 415),
+        ("application/json; charset=UTF-8", 200),
+        ("application/json;charset=utf8", 200),
+    ],
+)
+def test_a_body_declared_in_another_charset_than_utf8_is_415_and_writes_nothing(world, content_type, status):
+    """JSON is UTF-8 (RFC 8259): a body labelled otherwise is refused, not read as UTF-8 regardless."""
+    api, _, r = world
+    before = snapshot()
+    res = post(api, url(r, "lease"), {"fence": 1}, content_type=content_type)
+    assert res.status_code == status, res.content
+    if status == 415:
+        assert res.json()["code"] == "UNSUPPORTED_MEDIA_TYPE"
+        assert "UTF-8" in res.json()["detail"]
+        assert snapshot() == before
+
+
 def test_body_too_large_is_413(world, settings):
     api, _, r = world
     settings.MAX_REQUEST_BYTES = 2048
