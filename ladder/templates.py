@@ -790,14 +790,17 @@ class Llama3Template(ChatTemplate):
     @classmethod
     def call_text(cls, call: ToolCall) -> str | None:
         """Return the text ChatFormat encodes for a tool call (its JSON tool-prompt format; a built-in tool's
-        own syntax), or None for a built-in tool call Meta's code does not frame as text: without the
-        argument its syntax needs, code that is not a string, or a value holding a lone surrogate (escaped in
-        the arguments' JSON), which no encoder takes.
+        own syntax), or None for a call Meta's code does not frame as text: arguments nested deeper than
+        Meta's ``ToolCall`` holds (a value is a primitive, a list of primitives or an object of them), a
+        built-in call without the argument its syntax needs, code that is not a string, or a value holding a
+        lone surrogate (escaped in the arguments' JSON), which no encoder takes.
 
         Arguments that parse as a JSON object are the call's parameters; any other text is passed as the
         string it is.
         """
         arguments = cls._arguments(call)
+        if isinstance(arguments, dict) and not _meta_typed(arguments):
+            return None
         if call.name not in cls.QUERY_TOOLS and call.name != cls.CODE_TOOL:
             return json.dumps({"type": "function", "name": call.name, "parameters": arguments})
         key = "code" if call.name == cls.CODE_TOOL else "query"
@@ -823,6 +826,21 @@ class Llama3Template(ChatTemplate):
         return parsed if isinstance(parsed, dict) else call.arguments
 
 
+def _meta_typed(arguments: dict[str, object]) -> bool:
+    """Whether Meta's ``ToolCall`` holds these arguments (its ``RecursiveType``, one level deep)."""
+    for value in arguments.values():
+        if isinstance(value, list):
+            if not all(isinstance(item, _PRIMITIVES) for item in value):
+                return False
+        elif isinstance(value, dict):
+            if not all(isinstance(item, _PRIMITIVES) for item in value.values()):
+                return False
+        elif not isinstance(value, _PRIMITIVES):
+            return False
+    return True
+
+
+_PRIMITIVES = (str, int, float, bool, type(None))
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 _VALID_ID = re.compile(r"[A-Za-z0-9]{9}")
 _ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -303,13 +303,18 @@ def test_llama3_built_in_tool_calls_are_framed_as_meta_frames_them() -> None:
         ("brave_search", {"q": 5}),
         ("brave_search", {"query": "\udfff"}),
         ("wolfram_alpha", "hello"),
+        ("lookup", {"filter": {"range": {"from": 1, "to": 9}}}),
+        ("lookup", {"rows": [[1, 2], [3]]}),
+        ("lookup", {"rows": [{"id": 1}]}),
+        ("brave_search", {"query": "cap", "options": {"region": ["eu"]}}),
     ],
 )
 def test_llama3_built_in_calls_metas_code_does_not_frame_as_text_are_an_upper_bound(
     name: str, arguments: object
 ) -> None:
-    """Not a string of code, no query, or a lone surrogate escaped in the arguments: Meta's code frames no
-    text (or fails), so the call is bounded by its JSON's bytes, never an exact count or an error."""
+    """Not a string of code, no query, a lone surrogate escaped in the arguments, or arguments nested deeper
+    than Meta's ``ToolCall`` holds: Meta's code frames no text (or fails, or refuses the call), so the call
+    is bounded by its JSON's bytes, never an exact count or an error."""
     data = plain()
     data["recentTurns"] = [
         {"turn": 1, "role": "user", "text": "Go."},
@@ -326,6 +331,9 @@ def test_llama3_built_in_calls_metas_code_does_not_frame_as_text_are_an_upper_bo
     assert isinstance(counter, TiktokenCounter)
     _, result = count("llama3", counter, comps)
     assert result.method == "UPPER_BOUND"
+    if name == "lookup" or (isinstance(arguments, dict) and "options" in arguments):
+        with pytest.raises(pydantic.ValidationError):
+            MetaToolCall(call_id="c1", tool_name=name, arguments=arguments)  # Meta's type refuses them
     if name == "code_interpreter" and isinstance(arguments, dict) and not isinstance(arguments["code"], str):
         # Meta's code frames these, encoding no text (or each item of a list) as the code: the bound is above.
         expected = meta_format().encode_dialog_prompt(meta_messages(comps)).tokens
