@@ -1,10 +1,14 @@
-"""gunicorn settings the launcher passes with ``-c``: multiprocess-safe metrics, no control socket, and each
-worker's tokenizers loaded before it serves."""
+"""gunicorn settings the launcher passes with ``-c``: multiprocess-safe metrics, no control socket, each
+worker's tokenizers loaded before it serves, and gunicorn's own error answers in problem+json."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from typing import Any
+
+from gunicorn import util
 
 # The control socket (gunicorn >= 24) sits at one path per user: the launcher's two masters, or two
 # platforms on one machine, would fight over it, and nothing here uses it.
@@ -33,6 +37,42 @@ def post_worker_init(worker: Any) -> None:
         # Opened on this thread for the read; a threaded worker serves requests on others.
         connection.close()
     worker.log.info("tokenizers loaded before the first request: %s", ", ".join(loaded) or "none")
+
+
+# gunicorn's own answers, for a request it refuses before the application sees it, by status.
+_GUNICORN_PROBLEMS = {
+    400: "BAD_REQUEST",
+    414: "URI_TOO_LONG",
+    431: "HEADERS_TOO_LARGE",
+    500: "INTERNAL_ERROR",
+}
+
+
+def on_starting(server: Any) -> None:
+    """Before the workers fork: gunicorn's error answers (a request line over ``limit_request_line``: 414,
+    headers over its limits: 431, a request it cannot parse: 400) become problem+json with the codes the
+    nginx front answers them with, not gunicorn's HTML page. gunicorn has no setting or hook for them: its
+    workers call ``gunicorn.util.write_error``, which is replaced here (the front is not always there: it
+    needs nginx installed)."""
+    util.write_error = _write_problem
+
+
+def _write_problem(sock: socket.socket, status_int: int, reason: str, mesg: str) -> None:
+    code = _GUNICORN_PROBLEMS.get(status_int, "BAD_REQUEST" if status_int < 500 else "INTERNAL_ERROR")
+    body = json.dumps(
+        {
+            "type": f"/problems/{code.lower().replace('_', '-')}",
+            "title": reason,
+            "status": status_int,
+            "code": code,
+            "detail": mesg,
+        }
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\n"
+        f"Content-Type: application/problem+json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    util.write_nonblock(sock, head.encode("latin-1") + body)
 
 
 def child_exit(server: Any, worker: Any) -> None:

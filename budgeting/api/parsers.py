@@ -143,7 +143,7 @@ class StrictJSONParser(BaseParser):
         charset = _charset(media_type or "")
         if charset not in (None, "utf-8", "utf8"):
             raise drf_exceptions.UnsupportedMediaType(
-                media_type,
+                media_type or "",
                 detail=f"JSON bodies are UTF-8 (RFC 8259), not charset={charset}",
             )
         request = (parser_context or {}).get("request")

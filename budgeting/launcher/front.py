@@ -42,8 +42,9 @@ def nginx_binary() -> str | None:
 
 
 def _problem(status: int, code: str, title: str, detail: str) -> str:
+    slug = code.lower().replace("_", "-")
     body = (
-        f'{{"type": "/problems/{code}", "title": "{title}", "status": {status}, "code": "{code}", '
+        f'{{"type": "/problems/{slug}", "title": "{title}", "status": {status}, "code": "{code}", '
         f'"detail": "{detail}"}}'
     )
     return body.replace("'", "\\'")

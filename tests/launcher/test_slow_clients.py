@@ -12,6 +12,7 @@ import re
 import socket
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -206,8 +207,8 @@ def test_a_body_over_the_limit_is_413_oversized_headers_431_and_a_long_line_414(
     )
     expected = (431, "application/problem+json", "HEADERS_TOO_LARGE")
     assert (status, content_type, body["code"]) == expected, body
-    # Within the front's limits but over gunicorn's own (4 KiB a request line, 8 KiB a header): gunicorn's
-    # HTML answer is the front's problem.
+    # Within the front's limits but over gunicorn's own (4 KiB a request line, 8 KiB a header): answered as
+    # the front's problem.
     status, content_type, body = raw_answer(
         launcher.port,
         f"GET /api/v1/{'a' * 10_000} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode(),
@@ -224,3 +225,24 @@ def test_a_body_over_the_limit_is_413_oversized_headers_431_and_a_long_line_414(
         f"GET /api/v1/{'a' * 20_000} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode(),
     )
     assert (status, content_type, body["code"]) == (414, "application/problem+json", "URI_TOO_LONG"), body
+
+
+def test_gunicorn_alone_answers_what_it_refuses_in_problem_json_whose_type_resolves(
+    launcher: Launcher,
+) -> None:
+    """Without the front (nginx not installed), gunicorn's own refusals are problems too, not its HTML."""
+    port = upstream_port(launcher)
+    for request, status, code in (
+        (f"GET /api/v1/{'a' * 10_000} HTTP/1.1\r\nHost: x\r\n\r\n", 414, "URI_TOO_LONG"),
+        (f"GET /api/v1/ HTTP/1.1\r\nHost: x\r\nX-Big: {'a' * 10_000}\r\n\r\n", 431, "HEADERS_TOO_LARGE"),
+        ("GET /api/v1/ HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n", 400, "BAD_REQUEST"),
+    ):
+        answered, content_type, body = raw_answer(port, request.encode())
+        assert (answered, content_type, body["code"], body["status"]) == (
+            status,
+            "application/problem+json",
+            code,
+            status,
+        ), body
+        page = urllib.request.urlopen(f"http://127.0.0.1:{launcher.port}{body['type']}", timeout=10)
+        assert page.status == 200 and code in page.read().decode()
