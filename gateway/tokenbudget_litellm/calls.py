@@ -206,8 +206,8 @@ class Calls:
             return None
         if response.status == 202:
             await self._give_up_queued(response.body)
-            body = response.body if isinstance(response.body, dict) else {}
-            return str(body.get("reservationId"))
+            queued = response.body.get("reservationId") if isinstance(response.body, dict) else None
+            return queued if isinstance(queued, str) else None
         ticket = self._admitted(response, provider_request_id).ticket
         if ticket is None:
             return None

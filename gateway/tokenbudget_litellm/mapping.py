@@ -157,7 +157,7 @@ def to_admission(
         body=body,
         idempotency_key=str(request_id),
         traceparent=_traceparent(data),
-        callers_key="requestId" in extra,
+        callers_key=bool(extra.get("requestId")),
     )
 
 

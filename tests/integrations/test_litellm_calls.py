@@ -231,7 +231,7 @@ def test_a_withdrawn_admission_that_was_refused_or_queued_holds_nothing_or_is_ca
 
     queued = ApiResponse(202, {"retry-after": "2"}, {"reservationId": "q-1", "state": "PROPOSED"})
     api = ScriptedApi(queued, ApiResponse(200, {}, {"lease": {"fence": 1}}), ApiResponse(200, {}, {}))
-    run(calls(api).withdraw(REQUEST))
+    assert run(calls(api).withdraw(REQUEST)) == "q-1"
     assert [(sent.method, sent.path) for sent in api.sent[1:]] == [
         ("GET", "/api/v1/reservations/q-1"),
         ("POST", "/api/v1/reservations/q-1/cancel"),

@@ -70,6 +70,7 @@ def test_a_conversation_maps_to_buckets_as_documented() -> None:
 
     body = admission.body
     assert admission.idempotency_key == body["requestId"] == "litellm-call-1"
+    assert not admission.callers_key, "a key made up for this call alone: the hook may withdraw it"
     assert (
         body["tenantId"],
         body["taskClass"],
@@ -156,9 +157,11 @@ def test_the_callers_metadata_names_tenant_task_class_and_request_id() -> None:
         "authorizationScope": {"permissions": []},
     }
 
-    body = to_admission(request(metadata={"tokenbudget": extra}), GROUP, Caller(), SETTINGS).body
+    admission = to_admission(request(metadata={"tokenbudget": extra}), GROUP, Caller(), SETTINGS)
+    body = admission.body
 
     assert (body["tenantId"], body["taskClass"], body["requestId"]) == ("t-20", "summarize", "req-9")
+    assert admission.callers_key, "the caller's own key: the caller may retry with it"
     assert body["components"]["authorizationScope"] == {"permissions": []}
 
 
