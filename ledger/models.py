@@ -490,7 +490,7 @@ class EntryKind(models.TextChoices):
     TOP_UP = "TOP_UP", "Top-up hold"
     CORRECTION = "CORRECTION", "Correction"
     ROLLOVER = "ROLLOVER", "Period roll-over"
-    SLOT_FREE = "SLOT_FREE", "Concurrency slot freed (the call cannot be running)"
+    SLOT_FREE = "SLOT_FREE", "Concurrency slot freed"
 
 
 class LedgerEntry(models.Model):
