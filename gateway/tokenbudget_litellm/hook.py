@@ -463,7 +463,8 @@ class TokenBudgetHook(CustomLogger):
         return state
 
     def _in_background(self, work: Any) -> None:
-        # The stream's task is being torn down; the settlement must outlive it.
+        # Work that must outlive the task that starts it: the settlement of a stream whose task is being torn
+        # down, the withdrawal of an admission the refused call no longer waits for.
         task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -303,6 +303,8 @@ class SlowFront:
         self.listener.settimeout(0.1)
         self.backend, self.delay_s = backend, delay_s
         self.connections = 0
+        # Set when our API answered the held (late) request: by then it has been admitted or replayed.
+        self.late_answered = threading.Event()
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._accept, daemon=True)]
         self.threads[0].start()
@@ -329,15 +331,23 @@ class SlowFront:
         with contextlib.suppress(OSError):
             # The request waits here (the client may give up meanwhile: it still reaches our API, late).
             while time.monotonic() < until and not self.stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    held += downstream.recv(65536)
+                try:
+                    data = downstream.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
+                    time.sleep(max(0.0, until - time.monotonic()))
+                    break
+                held += data
             upstream = socket.create_connection(("127.0.0.1", self.backend))
             upstream.settimeout(0.1)
             upstream.sendall(held)
-            self._start(self._pump, upstream, downstream)
+            self._start(self._pump, upstream, downstream, self.late_answered if delay else None)
             self._pump(downstream, upstream)
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(
+        self, source: socket.socket, sink: socket.socket, answered: threading.Event | None = None
+    ) -> None:
         with contextlib.suppress(OSError):
             while not self.stop.is_set():
                 try:
@@ -346,6 +356,8 @@ class SlowFront:
                     continue
                 if not data:
                     break
+                if answered is not None:
+                    answered.set()
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
@@ -395,7 +407,7 @@ def test_an_admission_the_hook_gave_up_on_is_withdrawn_not_left_held(
         timeout=2 * HOOK_DEADLINE_S,
         what="the withdrawal",
     )
-    time.sleep(2)
+    assert slow_api.late_answered.wait(2 * HOOK_DEADLINE_S), "the late first request reached our API"
     [row] = Reservation.objects.all()
     assert (row.outcome, row.input_consumed, row.concurrency_held) == ("RELEASED", 0, False)
     assert row.failure_reason.startswith("never processed: admission given up by the gateway")
