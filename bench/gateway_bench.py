@@ -9,6 +9,9 @@ starts the provider simulator and real LiteLLM 1.110.2 proxies (tests/integratio
 on loopback, all routing the same model group to the same simulator:
   - ``bare``: no callbacks, LiteLLM alone;
   - ``hook``: ``tokenbudget_litellm`` of this checkout;
+  - ``stub``: the same hook, whose API is a stub in this process answering every call at once with a grant
+    of the shape ours gives (``InstantApi``): what the hook itself costs inside the proxy, so the hook arm's
+    figure splits into the hook's own cost and our API's round trip (the hook arm minus this one);
   - ``before`` (with ``--before DIR``): the hook of another checkout's ``gateway/`` folder, e.g. main's
     before a change.
 One client sends the same non-streaming chat completion (a support question, 20 output tokens) to each proxy
@@ -28,6 +31,7 @@ per request whatever the client does).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -35,13 +39,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx2
+from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -58,13 +66,13 @@ GROUP = {
     "tenant": "t-internal",
     "maxOutput": 100,
 }
+SYSTEM = "You answer support questions briefly."
+QUESTION = "How do I reset my password?"
+MAX_TOKENS = 20
 REQUEST = {
     "model": "support",
-    "messages": [
-        {"role": "system", "content": "You answer support questions briefly."},
-        {"role": "user", "content": "How do I reset my password?"},
-    ],
-    "max_tokens": 20,
+    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+    "max_tokens": MAX_TOKENS,
 }
 
 
@@ -85,6 +93,90 @@ class Arm:
             raise SystemExit(f"{self.name}: HTTP {answer.status_code}: {answer.text[:500]}")
         self.latencies_ms.append(elapsed)
         self.overhead_ms.append(float(answer.headers["x-litellm-overhead-duration-ms"]))
+
+
+class InstantApi:
+    """A stand-in for our API that answers at once: an admission gets ``grant`` (a real answer of ours)
+    under a new reservation id, dispatched under the provider request id the hook sent; any lifecycle call
+    gets its lease renewed. Served by aiohttp on its own thread and loop, so its own cost stays far below a
+    millisecond and off the proxy's process."""
+
+    def __init__(self, grant: dict[str, Any]) -> None:
+        self.grant = grant
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+
+    def start(self, port: int) -> str:
+        app = web.Application()
+        app.router.add_post("/api/v1/admissions", self._admit)
+        app.router.add_post("/api/v1/reservations/{reservation_id}/{action}", self._lifecycle)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", port).start())
+        threading.Thread(target=self._loop.run_forever, name="instant-api", daemon=True).start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    async def _admit(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        answer = {
+            **self.grant,
+            "requestId": body["requestId"],
+            "reservationId": str(uuid.uuid4()),
+            "state": "DISPATCHED",
+            "providerRequestId": body["dispatch"]["providerRequestId"],
+            "lease": _lease(),
+        }
+        return web.json_response(answer, status=201)
+
+    async def _lifecycle(self, request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"reservationId": request.match_info["reservation_id"], "lease": _lease()})
+
+
+def _lease() -> dict[str, Any]:
+    return {"fence": 1, "expiresAt": (datetime.now(UTC) + timedelta(seconds=120)).isoformat()}
+
+
+def real_grant(api: str) -> dict[str, Any]:
+    """One real admission answer of our API for the bench's request (as the hook maps it), then released."""
+    request_id = f"gateway-bench-grant-{uuid.uuid4()}"
+    body = {
+        "requestId": request_id,
+        "tenantId": GROUP["tenant"],
+        "taskClass": GROUP["taskClass"],
+        "modelPool": GROUP["modelPool"],
+        "modelRevision": GROUP["modelRevision"],
+        "maxOutput": MAX_TOKENS,
+        "components": {
+            "immutableRules": [[{"type": "text", "text": SYSTEM}]],
+            "authorizationScope": {"permissions": []},
+            "outputSafety": [],
+            "question": {"parts": [{"type": "text", "text": QUESTION}]},
+            "recentTurns": [],
+            "tools": [],
+        },
+    }
+    grant = _post_json(api, "/api/v1/admissions", body, {"Idempotency-Key": request_id})
+    cancel = f"/api/v1/reservations/{grant['reservationId']}/cancel"
+    _post_json(api, cancel, {"fence": grant["lease"]["fence"]})
+    return grant
+
+
+def _post_json(api: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+    request = urllib.request.Request(
+        api + path,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json", **(headers or {})},
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.loads(answer.read())
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -161,11 +253,16 @@ def main() -> None:
     api_process, api = serve_api(url, args.server)
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
+    instant = InstantApi(real_grant(api))
+    instant.start(free_port())
     arms: list[Arm] = []
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
         try:
             arms.append(Arm("bare", start_proxy(venv, Path(tmp) / "bare", sim, api, None)))
             arms.append(Arm("hook", start_proxy(venv, Path(tmp) / "hook", sim, api, ROOT / "gateway")))
+            arms.append(
+                Arm("stub", start_proxy(venv, Path(tmp) / "stub", sim, instant.url, ROOT / "gateway"))
+            )
             if args.before is not None:
                 arms.append(Arm("before", start_proxy(venv, Path(tmp) / "before", sim, api, args.before)))
             for arm in arms:
@@ -191,6 +288,7 @@ def main() -> None:
                     arm.client.close()
                 arm.proxy.stop()
             simulator.stop()
+            instant.stop()
             api_process.terminate()
             api_process.wait(20)
 
@@ -227,6 +325,14 @@ def main() -> None:
             "headerRatio": round(header_ratio, 3),
             "meanMs": round(statistics.fmean(arm.latencies_ms), 2),
         }
+    hook, stub = arms[1], arms[2]
+    ours = percentile(hook.latencies_ms, 0.5) - percentile(stub.latencies_ms, 0.5)
+    itself = percentile(stub.latencies_ms, 0.5) - bare_p50
+    print(
+        f"of the hook's: the hook itself (with an API answering at once) {itself:+.1f} ms p50, "
+        f"our API's round trip {ours:+.1f} ms p50"
+    )
+    results["apiRoundTripP50Ms"] = round(ours, 2)
     problems = "" if audit.ok else f": {audit.violations[:3]} {audit.leaks[:3]}"
     print(
         f"reservations not settled: {unsettled}; audit {'clean' if audit.ok else 'NOT clean'} "
