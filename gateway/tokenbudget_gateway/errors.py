@@ -14,12 +14,17 @@ class GatewayError(Exception):
 
 
 class ApiUnavailable(GatewayError):
-    """Our API could not be reached (or answered 502/504) after every retry; the outcome is unknown."""
+    """Our API could not be reached (or answered 502/504) after every retry; the outcome is unknown.
 
-    def __init__(self, method: str, path: str, cause: str) -> None:
+    ``reached``: whether any attempt may have reached our API, and so may have been applied. ``False`` only
+    when no attempt got a connection (refused, no route): nothing was sent.
+    """
+
+    def __init__(self, method: str, path: str, cause: str, *, reached: bool = True) -> None:
         self.method = method
         self.path = path
         self.cause = cause
+        self.reached = reached
         super().__init__(f"{method} {path}: our API is unavailable ({cause})")
 
 

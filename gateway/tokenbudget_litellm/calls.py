@@ -25,7 +25,13 @@ from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 from urllib.parse import quote
 
-from tokenbudget_gateway.errors import ApiError, GatewayError, ProtocolViolation, RequestSent
+from tokenbudget_gateway.errors import (
+    ApiError,
+    ApiUnavailable,
+    GatewayError,
+    ProtocolViolation,
+    RequestSent,
+)
 from tokenbudget_gateway.protocol import (
     ADMISSIONS_PATH,
     Grant,
@@ -333,6 +339,12 @@ class Calls:
     async def _post(self, ticket: Ticket, action: str, body: Mapping[str, Any]) -> ApiResponse:
         path = f"/api/v1/reservations/{quote(ticket.reservation_id, safe='')}/{action}"
         return await self._api.request("POST", path, {"fence": ticket.fence, **body})
+
+
+def may_have_reached_our_api(error: BaseException) -> bool:
+    """Whether a call that failed with ``error`` may have reached our API (and so may have been applied):
+    not when no attempt got a connection. An admission that may have reached it is withdrawn."""
+    return not (isinstance(error, ApiUnavailable) and not error.reached)
 
 
 def provider_request_id_of(request: AdmissionRequest) -> str:

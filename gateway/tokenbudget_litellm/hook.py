@@ -22,7 +22,7 @@ Every call to our API is a coroutine on the proxy's event loop over kept-alive c
   let through unadmitted and logged when ``failOpen`` is set. An admission given up on that way may still
   be granted by our API: it is withdrawn in the background (``Calls.withdraw``: asked again with the same
   key, then released in full) unless its key is the caller's own ``requestId``, which the caller may retry
-  with. Shadow tenants' calls go unchanged.
+  with, or no attempt got a connection (nothing reached our API). Shadow tenants' calls go unchanged.
 - ``async_pre_call_deployment_hook``: right before the provider call, the provider request id is sent as
   ``X-Request-Id`` (and the dispatch recorded, where the admission could not: a queued admission). A
   second attempt for the same reservation (a retry or a fallback) is refused.
@@ -64,7 +64,14 @@ from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 from tokenbudget_gateway.errors import GatewayError, StaleFence
 
-from tokenbudget_litellm.calls import Calls, Refusal, Ticket, failure_reason, request_sent_of
+from tokenbudget_litellm.calls import (
+    Calls,
+    Refusal,
+    Ticket,
+    failure_reason,
+    may_have_reached_our_api,
+    request_sent_of,
+)
 from tokenbudget_litellm.mapping import (
     AdmissionRequest,
     Caller,
@@ -167,9 +174,10 @@ class TokenBudgetHook(CustomLogger):
         except Refusal as exc:
             raise _refused(exc, name) from exc
         except Exception as exc:
-            if not request.callers_key:
+            if not request.callers_key and may_have_reached_our_api(exc):
                 # Our API may still grant what we gave up on: release it rather than leave it held until
-                # its lease expires. (A caller's own requestId is the caller's to retry with.)
+                # its lease expires. (A caller's own requestId is the caller's to retry with; a request that
+                # never got a connection granted nothing.)
                 self._in_background(self._withdraw(request))
             return self._undecided(data, exc)
         if admitted.ticket is None:

@@ -86,13 +86,14 @@ class AsyncApi:
         """Send one call, retrying transient failures with the identical body, all within the deadline.
 
         Raises ``StaleFence``/``ApiError`` for an error answer, ``ApiUnavailable`` when the deadline passed
-        or the retries ran out.
+        or the retries ran out (``reached`` false when no attempt got a connection).
         """
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         sent_headers = {"Content-Type": "application/json"} if data is not None else {}
         sent_headers.update(headers or {})
         deadline = self._monotonic() + self.deadline_s
         cause = "no attempt made"
+        reached = False
         for attempt in range(1, self._retry.attempts + 1):
             if attempt > 1:
                 pause = self._retry.backoff(attempt - 1, self._rand())
@@ -112,6 +113,8 @@ class AsyncApi:
                     status, content = answer.status, await answer.read()
                     answer_headers = {name.lower(): value for name, value in answer.headers.items()}
             except TimeoutError:
+                # The request may have been sent before the deadline cut it short.
+                reached = True
                 cause = f"no answer within the {self.deadline_s:g} s deadline"
                 logger.info("%s %s attempt %d: %s", method, path, attempt, cause)
                 break
@@ -119,10 +122,13 @@ class AsyncApi:
                 # Refused, reset or a broken exchange: the call may or may not have been applied, and
                 # repeating it unchanged is safe because every write is idempotent by its ids.
                 cause = f"{type(exc).__name__}: {exc}"
+                # Only a connection that was never made proves nothing was sent.
+                reached = reached or not isinstance(exc, aiohttp.ClientConnectorError)
                 logger.info("%s %s attempt %d failed: %s", method, path, attempt, cause)
                 continue
             parsed = _json_or_none(content)
             if is_retryable_status(status, parsed):
+                reached = True
                 cause = f"HTTP {status}"
                 continue
             if status >= 400:
@@ -132,7 +138,7 @@ class AsyncApi:
                 )
                 raise error(status, problem, path, answer_headers.get("retry-after"))
             return ApiResponse(status=status, headers=answer_headers, body=parsed)
-        raise ApiUnavailable(method, path, cause)
+        raise ApiUnavailable(method, path, cause, reached=reached)
 
     async def aclose(self) -> None:
         """Close the kept connections."""

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import pytest
-from tokenbudget_gateway.errors import ApiError, ApiUnavailable
+from tokenbudget_gateway.errors import ApiError, ApiUnavailable, ProtocolViolation
 from tokenbudget_gateway.transport import ApiResponse
 from tokenbudget_litellm.calls import (
     WITHDRAWN,
@@ -18,6 +18,7 @@ from tokenbudget_litellm.calls import (
     Refusal,
     Ticket,
     failure_reason,
+    may_have_reached_our_api,
     request_sent_of,
 )
 from tokenbudget_litellm.mapping import AdmissionRequest
@@ -241,6 +242,21 @@ def test_a_withdrawn_admission_that_was_refused_or_queued_holds_nothing_or_is_ca
 def test_a_withdrawal_our_api_does_not_answer_is_the_callers_to_log() -> None:
     with pytest.raises(ApiUnavailable):
         run(calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "hung"))).withdraw(REQUEST))
+
+
+@pytest.mark.parametrize(
+    ("error", "reached"),
+    [
+        (ApiUnavailable("POST", "/api/v1/admissions", "ClientConnectorError", reached=False), False),
+        (ApiUnavailable("POST", "/api/v1/admissions", "no answer within the deadline"), True),
+        (ProtocolViolation("the admission answer lacks a lease"), True),
+        (RuntimeError("a bug of the hook's"), True),
+    ],
+)
+def test_only_a_call_that_never_got_a_connection_did_not_reach_our_api(
+    error: BaseException, reached: bool
+) -> None:
+    assert may_have_reached_our_api(error) is reached
 
 
 def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -> None:

@@ -293,6 +293,27 @@ def test_a_hung_api_is_refused_503_within_the_one_deadline(
     assert len(logged) == 2 and "refused 503" in logged[0] and "not withdrawn" in logged[1], logged
 
 
+def test_with_our_api_down_the_refusal_is_one_log_line_and_nothing_is_withdrawn(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    simulator, _ = sim
+    log_before = proxy.log.read_text(errors="replace")
+    api.stop()
+
+    with pytest.raises(openai.InternalServerError) as refused:
+        client(proxy).chat.completions.create(
+            model="support", messages=[{"role": "user", "content": "Where is my order?"}], max_tokens=20
+        )
+
+    assert refused.value.status_code == 503
+    # No attempt got a connection, so our API granted nothing: there is nothing to withdraw. (A withdrawal
+    # would be tried at once and, refused too, logged "not withdrawn" within a second.)
+    time.sleep(2)
+    logged = logged_since(proxy, log_before)
+    assert len(logged) == 1 and "refused 503" in logged[0], logged
+    assert simulator.entries() == []
+
+
 class SlowFront:
     """Our API's port, forwarded to gunicorn; the first connection reaches gunicorn only ``delay_s`` after
     it was opened (its request held until then), so the hook gives up on an admission our API then grants

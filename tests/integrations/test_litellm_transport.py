@@ -123,6 +123,7 @@ def test_a_hung_api_is_given_up_at_the_one_deadline_not_after_every_retry(
     # Four attempts of a 1 s timeout would take over 4 s: one deadline covers them all.
     assert 0.9 <= elapsed < 2.0, elapsed
     assert "deadline" in str(unavailable.value)
+    assert unavailable.value.reached, "the request may have been applied: it is withdrawn"
     assert len(accepted) == 1
 
 
@@ -137,3 +138,4 @@ def test_a_refused_connection_is_retried_within_the_deadline() -> None:
 
     assert time.monotonic() - started < 3.0
     assert "ClientConnectorError" in str(unavailable.value)
+    assert not unavailable.value.reached, "no connection was made: nothing reached our API"
