@@ -9,9 +9,12 @@ starts the provider simulator and real LiteLLM 1.110.2 proxies (tests/integratio
 on loopback, all routing the same model group to the same simulator:
   - ``bare``: no callbacks, LiteLLM alone;
   - ``hook``: ``tokenbudget_litellm`` of this checkout;
-  - ``stub``: the same hook, whose API is a stub in this process answering every call at once with a grant
-    of the shape ours gives (``InstantApi``): what the hook itself costs inside the proxy, so the hook arm's
-    figure splits into the hook's own cost and our API's round trip (the hook arm minus this one);
+  - ``stub``: the same hook, whose API is a stub (a process of its own) answering every call at once with a
+    grant of the shape ours gives (``InstantApi``): what the hook itself costs inside the proxy, so the hook
+    arm's figure splits into the hook's own cost and our API's round trip (the hook arm minus this one);
+  - ``bare-2``: a second proxy without callbacks, the control: what it "adds" over ``bare`` is the noise
+    between two proxy processes doing the same thing (up to 3 ms seen on this machine), the precision of
+    every other difference;
   - ``before`` (with ``--before DIR``): the hook of another checkout's ``gateway/`` folder, e.g. main's
     before a change.
 One client sends the same non-streaming chat completion (a support question, 20 output tokens) to each proxy
@@ -31,15 +34,15 @@ per request whatever the client does).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
+import multiprocessing
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 import uuid
@@ -98,35 +101,39 @@ class Arm:
 class InstantApi:
     """A stand-in for our API that answers at once: an admission gets ``grant`` (a real answer of ours)
     under a new reservation id, dispatched under the provider request id the hook sent; any lifecycle call
-    gets its lease renewed. Served by aiohttp on its own thread and loop, so its own cost stays far below a
-    millisecond and off the proxy's process."""
+    gets its lease renewed. It is aiohttp in a process of its own, so it shares no interpreter lock with
+    this process's client and simulator: its own cost stays far below a millisecond."""
 
     def __init__(self, grant: dict[str, Any]) -> None:
         self.grant = grant
         self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
 
     def start(self, port: int) -> str:
-        app = web.Application()
-        app.router.add_post("/api/v1/admissions", self._admit)
-        app.router.add_post("/api/v1/reservations/{reservation_id}/{action}", self._lifecycle)
-        self._runner = web.AppRunner(app, access_log=None)
-        self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", port).start())
-        threading.Thread(target=self._loop.run_forever, name="instant-api", daemon=True).start()
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_serve_instant_api, args=(self.grant, port), name="instant-api", daemon=True
+        )
+        self._process.start()
         self.url = f"http://127.0.0.1:{port}"
-        return self.url
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return self.url
+            except OSError:
+                time.sleep(0.05)
+        raise SystemExit("the instant API did not start")
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._process is not None:
+            self._process.terminate()
+            self._process.join(10)
 
-    async def _admit(self, request: web.Request) -> web.Response:
+
+def _serve_instant_api(grant: dict[str, Any], port: int) -> None:
+    async def admit(request: web.Request) -> web.Response:
         body = await request.json()
         answer = {
-            **self.grant,
+            **grant,
             "requestId": body["requestId"],
             "reservationId": str(uuid.uuid4()),
             "state": "DISPATCHED",
@@ -135,9 +142,14 @@ class InstantApi:
         }
         return web.json_response(answer, status=201)
 
-    async def _lifecycle(self, request: web.Request) -> web.Response:
+    async def lifecycle(request: web.Request) -> web.Response:
         await request.read()
         return web.json_response({"reservationId": request.match_info["reservation_id"], "lease": _lease()})
+
+    app = web.Application()
+    app.router.add_post("/api/v1/admissions", admit)
+    app.router.add_post("/api/v1/reservations/{reservation_id}/{action}", lifecycle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 def _lease() -> dict[str, Any]:
@@ -254,15 +266,16 @@ def main() -> None:
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
     instant = InstantApi(real_grant(api))
-    instant.start(free_port())
     arms: list[Arm] = []
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
         try:
+            instant.start(free_port())
             arms.append(Arm("bare", start_proxy(venv, Path(tmp) / "bare", sim, api, None)))
             arms.append(Arm("hook", start_proxy(venv, Path(tmp) / "hook", sim, api, ROOT / "gateway")))
             arms.append(
                 Arm("stub", start_proxy(venv, Path(tmp) / "stub", sim, instant.url, ROOT / "gateway"))
             )
+            arms.append(Arm("bare-2", start_proxy(venv, Path(tmp) / "bare-2", sim, api, None)))
             if args.before is not None:
                 arms.append(Arm("before", start_proxy(venv, Path(tmp) / "before", sim, api, args.before)))
             for arm in arms:
@@ -312,8 +325,9 @@ def main() -> None:
         # The same figure from the overhead header, which leaves the provider's (simulator's) time out.
         header_added = percentile(arm.overhead_ms, 0.5) - own_p50
         header_ratio = header_added / own_p50 if own_p50 > 0 else float("inf")
+        what = "the control, no hook" if arm.name == "bare-2" else "hook-added"
         print(
-            f"{arm.name}: hook-added p50 {added50:+.1f} ms, p95 {added95:+.1f} ms; LiteLLM's own overhead "
+            f"{arm.name}: {what} p50 {added50:+.1f} ms, p95 {added95:+.1f} ms; LiteLLM's own overhead "
             f"p50 {own_p50:.1f} ms; ratio {ratio:.2f} (goal <= 0.5); by the overhead header "
             f"{header_added:+.1f} ms, ratio {header_ratio:.2f}"
         )
