@@ -13,8 +13,8 @@ on loopback, all routing the same model group to the same simulator:
     grant of the shape ours gives (``InstantApi``): what the hook itself costs inside the proxy, so the hook
     arm's figure splits into the hook's own cost and our API's round trip (the hook arm minus this one);
   - ``bare-2``: a second proxy without callbacks, the control: what it "adds" over ``bare`` is the noise
-    between two proxy processes doing the same thing (up to 3 ms seen on this machine), the precision of
-    every other difference;
+    between two proxy processes doing the same thing (within 0.5 ms in two runs on the development
+    machine), the precision of every other difference;
   - ``before`` (with ``--before DIR``): the hook of another checkout's ``gateway/`` folder, e.g. main's
     before a change.
 One client sends the same non-streaming chat completion (a support question, 20 output tokens) to each proxy
