@@ -20,7 +20,7 @@ class ApiUnavailable(GatewayError):
     when no attempt got a connection (refused, no route): nothing was sent.
     """
 
-    def __init__(self, method: str, path: str, cause: str, *, reached: bool = True) -> None:
+    def __init__(self, method: str, path: str, cause: str, *, reached: bool) -> None:
         self.method = method
         self.path = path
         self.cause = cause

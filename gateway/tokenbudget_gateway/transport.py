@@ -113,7 +113,8 @@ class ApiClient:
     ) -> ApiResponse:
         """Send one call, retrying transient failures with the identical body and headers.
 
-        Raises ``StaleFence``/``ApiError`` for an error answer, ``ApiUnavailable`` when retries ran out.
+        Raises ``StaleFence``/``ApiError`` for an error answer, ``ApiUnavailable`` when retries ran out
+        (``reached`` false when every attempt's connection was refused).
         """
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         sent_headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
@@ -121,6 +122,7 @@ class ApiClient:
             sent_headers["Content-Type"] = "application/json"
         sent_headers.update(headers or {})
         cause = "no attempt made"
+        reached = False
         for attempt in range(1, self._retry.attempts + 1):
             if attempt > 1:
                 self._sleep(self._retry.backoff(attempt - 1, self._rand()))
@@ -130,10 +132,13 @@ class ApiClient:
                 # Refused, reset, timed out or a broken exchange: the call may or may not have been applied,
                 # and repeating it unchanged is safe because every write is idempotent by its ids.
                 cause = f"{type(exc).__name__}: {exc}"
+                # Only a refused connection proves nothing was sent.
+                reached = reached or not isinstance(exc, ConnectionRefusedError)
                 logger.info("%s %s attempt %d failed: %s", method, path, attempt, cause)
                 continue
             parsed = _json_or_none(raw)
             if is_retryable_status(status, parsed):
+                reached = True
                 cause = f"HTTP {status}"
                 continue
             if status >= 400:
@@ -143,7 +148,7 @@ class ApiClient:
                 )
                 raise error(status, problem, path, answer_headers.get("retry-after"))
             return ApiResponse(status=status, headers=answer_headers, body=parsed)
-        raise ApiUnavailable(method, path, cause)
+        raise ApiUnavailable(method, path, cause, reached=reached)
 
     def _exchange(
         self, method: str, path: str, data: bytes | None, headers: Mapping[str, str]

@@ -364,6 +364,7 @@ def test_a_refused_connection_is_retried_then_reported_unavailable() -> None:
     with pytest.raises(ApiUnavailable) as caught:
         client.request("POST", "/api/v1/admissions", ADMISSION, {"Idempotency-Key": "k"})
     assert "ConnectionRefusedError" in caught.value.cause
+    assert not caught.value.reached, "no connection was made: nothing reached our API"
     assert sleeps == [0.1, 0.2]
 
 

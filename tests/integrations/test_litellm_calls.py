@@ -168,7 +168,8 @@ def test_a_rejection_is_a_refusal_with_our_status_problem_and_retry_after(status
 
 def test_an_unreachable_api_is_not_a_refusal() -> None:
     with pytest.raises(ApiUnavailable):
-        run(calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "refused"))).admit(REQUEST))
+        refused = ApiUnavailable("POST", "/api/v1/admissions", "refused", reached=False)
+        run(calls(ScriptedApi(refused)).admit(REQUEST))
 
 
 def test_a_queued_admission_is_asked_again_with_the_same_key_until_admitted() -> None:
@@ -241,14 +242,15 @@ def test_a_withdrawn_admission_that_was_refused_or_queued_holds_nothing_or_is_ca
 
 def test_a_withdrawal_our_api_does_not_answer_is_the_callers_to_log() -> None:
     with pytest.raises(ApiUnavailable):
-        run(calls(ScriptedApi(ApiUnavailable("POST", "/api/v1/admissions", "hung"))).withdraw(REQUEST))
+        hung = ApiUnavailable("POST", "/api/v1/admissions", "hung", reached=True)
+        run(calls(ScriptedApi(hung)).withdraw(REQUEST))
 
 
 @pytest.mark.parametrize(
     ("error", "reached"),
     [
         (ApiUnavailable("POST", "/api/v1/admissions", "ClientConnectorError", reached=False), False),
-        (ApiUnavailable("POST", "/api/v1/admissions", "no answer within the deadline"), True),
+        (ApiUnavailable("POST", "/api/v1/admissions", "no answer within the deadline", reached=True), True),
         (ProtocolViolation("the admission answer lacks a lease"), True),
         (RuntimeError("a bug of the hook's"), True),
     ],
