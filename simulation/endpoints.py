@@ -207,7 +207,7 @@ class ProviderHandler(WireHandler):
         model: str = body["model"]
         messages: list[dict[str, Any]] = body["messages"]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or self.sim.default_max_tokens
-        prompt_tokens = self.sim.prompt_counter(messages)
+        prompt_tokens = self.sim.model_counters.get(model, self.sim.prompt_counter)(messages)
         window = self.sim.context_windows.get(model)
         if window is not None and prompt_tokens + max_tokens > window:
             self.sim.ledger.record_unprocessed(request_id, model, key_id, project_id, now=self.sim.now())

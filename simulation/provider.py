@@ -47,9 +47,11 @@ terminal and billed; the lookup reports both as ``completed``. ``failed_unproces
 ``not_found`` and are absent from exports.
 
 Tokens: prompt tokens come from a pluggable counter over the request's ``messages`` (default: UTF-8 bytes
-of each message's text // 4 + 4 per message). Completion tokens are words from a generator seeded by
-``(seed, request id)``: the count is drawn from ``[max(1, max_tokens // 2), max_tokens]`` unless a script
-fixes it, and each content chunk carries 1..``max_words_per_chunk`` words (one word = one token).
+of each message's text // 4 + 4 per message), or, for a model in ``model_counters``, from that model's own
+(``deepseek_chat_template.deepseek_v3_counter``: DeepSeek-V3's published template and tokenizer).
+Completion tokens are words from a generator seeded by ``(seed, request id)``: the count is drawn from
+``[max(1, max_tokens // 2), max_tokens]`` unless a script fixes it, and each content chunk carries
+1..``max_words_per_chunk`` words (one word = one token).
 
 ``delay_s`` is spent after the request was read and registered (a lookup meanwhile says ``running``), except
 under ``reset_before_read``, where it is spent before the reset.
@@ -92,6 +94,7 @@ class Simulator:
         seed: int = 0,
         clock: Clock | None = None,
         prompt_counter: PromptCounter = default_prompt_counter,
+        model_counters: Mapping[str, PromptCounter] | None = None,
         max_words_per_chunk: int = 3,
         default_max_tokens: int = 256,
         per_chunk_usage: bool = False,
@@ -102,6 +105,7 @@ class Simulator:
         self.seed = seed
         self.clock: Clock = clock or (lambda: datetime.now(UTC))
         self.prompt_counter = prompt_counter
+        self.model_counters = dict(model_counters or {})
         self.max_words_per_chunk = max_words_per_chunk
         self.default_max_tokens = default_max_tokens
         self.per_chunk_usage = per_chunk_usage

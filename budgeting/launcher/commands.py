@@ -56,6 +56,8 @@ DEMO_LEASE_SECONDS = 15
 # Where the demo file's eu-frontier pool expects the provider simulator; with another SIMULATOR_PORT, change
 # the pool's provider base URL too.
 DEMO_SIMULATOR_PORT = 8090
+# The demo file's DeepSeek-V3 models: the simulator counts their prompts as DeepSeek does.
+DEMO_DEEPSEEK_V3_MODELS = ("model@2026-07-01", "small@2026-05-12")
 MAX_WEB_WORKERS = 4
 SECRET_KEY_FILE = "secret_key"
 METRICS_TOKEN_FILE = "metrics_token"
@@ -154,10 +156,13 @@ def programs(api_socket: int, root: Path) -> list[Program]:
     ]  # fmt: skip
     # The demo's provider (the pool eu-frontier counts through its counting APIs): a separate process, so
     # that production code never imports the simulator.
+    tokenizers = Path(os.environ.get("TOKENIZER_DIR") or root / "tokenizers")
     simulator = Program(
         "provider simulator",
-        [python, "-m", "simulation", "--port", os.environ.get("SIMULATOR_PORT", str(DEMO_SIMULATOR_PORT))],
-    )
+        [python, "-m", "simulation", "--port", os.environ.get("SIMULATOR_PORT", str(DEMO_SIMULATOR_PORT)),
+         "--deepseek-v3", str(tokenizers / "deepseek_v3.json"),
+         *(arg for model in DEMO_DEEPSEEK_V3_MODELS for arg in ("--deepseek-v3-model", model))],
+    )  # fmt: skip
     return [
         *web,
         simulator,

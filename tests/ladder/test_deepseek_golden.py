@@ -1,12 +1,13 @@
 """Golden token ids: DeepSeek-V3 as our template renders it against DeepSeek's published chat template.
 
-The reference renders the very payload we send with the verbatim template (``deepseek_chat_template.py``) as
-Hugging Face transformers' ``apply_chat_template`` does (an ``ImmutableSandboxedEnvironment`` with
-``trim_blocks`` and ``lstrip_blocks``, ``bos_token``, ``add_generation_prompt=True``), then encodes the text
-with the ``tokenizers`` library and the pinned ``deepseek_v3.json``, special tokens recognised, as a server
-does. Our ids are the stream's: each special's id, each text piece's encoding. What the template does not
-show (tool definitions, the output schema, the calls of a turn that also has text) is a ``Bound`` of ours and
-nothing of the reference's: such a count is ``UPPER_BOUND`` and exceeds the reference by the bound's bytes.
+The reference renders the very payload we send with the verbatim template
+(``simulation/deepseek_chat_template.py``) as Hugging Face transformers' ``apply_chat_template`` does (an
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, ``bos_token``,
+``add_generation_prompt=True``), then encodes the text with the ``tokenizers`` library and the pinned
+``deepseek_v3.json``, special tokens recognised, as a server does. Our ids are the stream's: each special's
+id, each text piece's encoding. What the template does not show (tool definitions, the output schema, the
+calls of a turn that also has text) is a ``Bound`` of ours and nothing of the reference's: such a count is
+``UPPER_BOUND`` and exceeds the reference by the bound's bytes.
 
 The cuts between touching texts rest on ``ladder.seams``, checked here against the tokenizer's own
 pre-tokenizer: exhaustively on pairs of characters in context, and by a Hypothesis property.
@@ -21,11 +22,9 @@ from dataclasses import replace
 from functools import cache
 from typing import Any
 
-import jinja2.ext
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from ladder.components import Components, Limits
@@ -44,9 +43,14 @@ from ladder.templates import (
     _split_run,
     get_template,
 )
+from simulation.deepseek_chat_template import (
+    CHAT_TEMPLATE,
+    CHAT_TEMPLATE_SHA256,
+    deepseek_v3_counter,
+    published_template,
+)
 
 from .conftest import DEEPSEEK_FILE, deepseek_counter
-from .deepseek_chat_template import CHAT_TEMPLATE, CHAT_TEMPLATE_SHA256
 from .fixtures import CJK, KANA, Gen, fixture, many_turns, plain, tool_history, without_images
 from .strategies import SAFE_CHARACTERS, components_json, texts
 
@@ -54,21 +58,6 @@ TEMPLATE = get_template("deepseek")
 
 
 # ----------------------------------------------------------------------------------------------- reference
-
-
-@cache
-def published_template() -> jinja2.Template:
-    """The published template, compiled as transformers' ``apply_chat_template`` compiles a chat template."""
-    assert hashlib.sha256(CHAT_TEMPLATE.encode("utf-8")).hexdigest() == CHAT_TEMPLATE_SHA256
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(CHAT_TEMPLATE)
 
 
 @cache
@@ -283,6 +272,22 @@ def test_ids_equal_the_published_template(name: str) -> None:
     pieces, bound = check(components(EXACT_FIXTURES[name]()))
     assert bound == 0
     assert all(not isinstance(piece, Bound) for piece in pieces)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_FIXTURES))
+def test_the_demo_providers_prompt_count_is_our_exact_count(name: str) -> None:
+    """The provider simulator of ``./platform run`` reports a DeepSeek-V3 call's prompt tokens as DeepSeek
+    does: for every payload we count EXACT, its count is ours."""
+    comps = components(EXACT_FIXTURES[name]())
+    count = count_stream(
+        TEMPLATE.render(comps),
+        deepseek_counter(),
+        MemoryCountCache(),
+        template_revision=TEMPLATE.revision,
+        image_formula="tiles512",
+    )
+    payload: dict[str, Any] = TEMPLATE.payload(comps)
+    assert deepseek_v3_counter(DEEPSEEK_FILE)(payload["messages"]) == count.total
 
 
 @pytest.mark.parametrize("name", sorted(BOUND_FIXTURES))

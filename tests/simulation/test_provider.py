@@ -745,3 +745,19 @@ def test_the_simulator_sends_its_answers_without_waiting_for_the_clients_ack(sim
         accepted, _ = listener.accept()
         with accepted:
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+
+
+def test_a_model_with_its_own_counter_is_billed_its_prompt_tokens_and_the_others_the_estimate(
+    clock: FakeClock,
+) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "How do I reset my password?"}]
+    sim = Simulator(clock=clock, model_counters={"counted@1": lambda sent: 1000 + len(sent)})
+    sim.start()
+    try:
+        client = sdk(sim)
+        counted = client.chat.completions.create(model="counted@1", messages=messages, max_tokens=5)
+        other = client.chat.completions.create(model="other@1", messages=messages, max_tokens=5)
+    finally:
+        sim.stop()
+    assert counted.usage is not None and counted.usage.prompt_tokens == 1001
+    assert other.usage is not None and other.usage.prompt_tokens == default_prompt_counter(messages)

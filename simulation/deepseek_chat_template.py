@@ -10,8 +10,29 @@ independent public copies agree with it character for character:
 - mindspore-lab/mindformers, ``research/deepseek3/deepseek3_671b/predict_deepseek3_671b.yaml`` (commit
   fd4deebc1): ``processor.tokenizer.chat_template``.
 
-Vendor data kept as a fixture (never used by the platform's code), with its sha256 so that an edit shows.
+Vendor data, with its sha256 so that an edit shows, and never used by the platform's code: the provider
+simulator renders it as DeepSeek's servers do (``deepseek_v3_counter``: the demo's provider reports the prompt
+tokens DeepSeek would), and the DeepSeek golden tests (tests/ladder/test_deepseek_golden.py) take it as the
+reference our own template is proven against.
 """
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any, Final
+
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from simulation.completions import PromptCounter, default_prompt_counter
+
+# The special tokens of DeepSeek-V3's tokenizer_config.json.
+BOS: Final = "<｜begin▁of▁sentence｜>"
+EOS: Final = "<｜end▁of▁sentence｜>"
 
 CHAT_TEMPLATE_SHA256 = "3b8267e54b67df6500f231ffa969955cc9d26b3444a291ced4eb96ca7d3ca1ea"
 
@@ -44,3 +65,37 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}"
     "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
 )
+
+
+@cache
+def published_template() -> jinja2.Template:
+    """The published template, compiled as transformers' ``apply_chat_template`` compiles a chat template."""
+    assert hashlib.sha256(CHAT_TEMPLATE.encode("utf-8")).hexdigest() == CHAT_TEMPLATE_SHA256
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(CHAT_TEMPLATE)
+
+
+def deepseek_v3_counter(tokenizer_file: Path) -> PromptCounter:
+    """Prompt tokens as DeepSeek's servers count them: the messages rendered with the published template (the
+    generation prompt added) and encoded with the model's tokenizer, special-token spellings as special
+    tokens. Messages the text template cannot render (content given as parts) are counted by the default
+    estimate."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+
+    def count(messages: Sequence[Mapping[str, Any]]) -> int:
+        try:
+            text = published_template().render(
+                messages=list(messages), add_generation_prompt=True, bos_token=BOS, eos_token=EOS
+            )
+        except (TypeError, jinja2.TemplateError):
+            return default_prompt_counter(messages)
+        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    return count
