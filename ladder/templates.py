@@ -207,7 +207,7 @@ class DeepSeekTemplate(ChatTemplate):
     """DeepSeek-V3, framed as DeepSeek's published chat template frames the payload it is sent.
 
     The template (``chat_template`` of deepseek-ai/DeepSeek-V3, kept verbatim in
-    ``tests/ladder/deepseek_chat_template.py``) renders the beginning of sentence, then every system
+    ``simulation/deepseek_chat_template.py``) renders the beginning of sentence, then every system
     message's content, wherever it is in the chat, joined by ``\\n\\n``; then each other message in order:
 
     - a user's as ``<｜User｜>`` + content;
