@@ -1,4 +1,4 @@
-"""DeepSeek-V3's published chat template, verbatim: the reference the DeepSeek golden tests render.
+"""DeepSeek-V3's published chat template, verbatim, and the prompt count a DeepSeek server makes with it.
 
 It is the ``chat_template`` of ``tokenizer_config.json`` in the deepseek-ai/DeepSeek-V3 model repository (the
 V3 release of December 2024; DeepSeek-V3-0324, R1 and V3.1 publish other templates), as the decoded JSON
