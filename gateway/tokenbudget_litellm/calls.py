@@ -180,10 +180,18 @@ class Calls:
         """
         provider_request_id = provider_request_id_of(request) if self._dispatch_at_admission else None
         deadline = self._monotonic() + self._queue_wait_s
+        queued = False
         while True:
-            response = await self._post_admission(request, provider_request_id)
+            try:
+                response = await self._post_admission(request, provider_request_id)
+            except ApiUnavailable as exc:
+                if queued and not exc.reached:
+                    # An earlier answer queued the admission: our API holds it, whatever this attempt proves.
+                    raise ApiUnavailable(exc.method, exc.path, exc.cause, reached=True) from exc
+                raise
             if response.status != 202:
                 return self._admitted(response, provider_request_id)
+            queued = True
             retry_after = _seconds(response.headers.get("retry-after"), default=2.0)
             left = deadline - self._monotonic()
             if left <= 0:

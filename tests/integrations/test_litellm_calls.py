@@ -185,6 +185,21 @@ def test_a_queued_admission_is_asked_again_with_the_same_key_until_admitted() ->
     assert len({str(sent.body) for sent in api.sent}) == 1, "the same body, dispatch id included"
 
 
+def test_a_queued_admission_whose_next_ask_is_refused_still_reached_our_api() -> None:
+    queued = ApiResponse(202, {"retry-after": "2"}, {"reservationId": "q-1", "state": "PROPOSED"})
+    refused = ApiUnavailable("POST", "/api/v1/admissions", "ClientConnectorError", reached=False)
+    clock = Clock()
+
+    api = ScriptedApi(queued, refused)
+    waiting = calls(api, queue_wait_s=10, sleep=clock.sleep, monotonic=lambda: clock.now)
+
+    with pytest.raises(ApiUnavailable) as unavailable:
+        run(waiting.admit(REQUEST))
+
+    assert unavailable.value.reached, "our API holds the queued admission: the hook withdraws it"
+    assert may_have_reached_our_api(unavailable.value)
+
+
 def test_a_queued_admission_that_does_not_clear_in_time_is_cancelled_and_refused_429() -> None:
     queued = ApiResponse(202, {"retry-after": "2"}, {"reservationId": "q-1", "state": "PROPOSED"})
     reservation = ApiResponse(200, {}, {"lease": {"fence": 1}})
