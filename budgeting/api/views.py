@@ -5,7 +5,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from django.utils import timezone
 from drf_spectacular.utils import (
     OpenApiExample,
     OpenApiParameter,
@@ -20,8 +19,8 @@ from rest_framework.views import APIView
 
 from budgeting.admission import orchestrator as admission
 from budgeting.admission.request import AdmissionRequest
+from budgeting.api import operations
 from budgeting.api.fastpath import fast_validator
-from budgeting.api.problems import problem_body
 from budgeting.api.serializers import (
     AdmissionIn,
     AdmittedOut,
@@ -44,8 +43,6 @@ from budgeting.catalog.errors import InvalidInput, NotFound
 from budgeting.catalog.models import ServiceClient
 from budgeting.catalog.snapshot import Caller
 from ledger import selectors
-from ledger.models import Reservation
-from ledger.services import lifecycle
 
 ERRORS: dict[Any, Any] = {
     (status, "application/problem+json"): ProblemOut
@@ -143,6 +140,13 @@ def _reservation_id(raw: str) -> uuid.UUID:
         raise NotFound("no such reservation") from None
 
 
+def _response(answer: operations.Answer) -> Response:
+    response = Response(answer.body, status=answer.status)
+    for name, value in answer.headers.items():
+        response[name] = value
+    return response
+
+
 class IndexView(APIView):
     """``GET /api/v1/``: what the API offers, for a person or a client finding its way."""
 
@@ -236,22 +240,13 @@ class AdmissionView(TenantScopedView):
         ],
     )
     def post(self, request: Request) -> Response:
-        key = request.headers.get("Idempotency-Key", "")
-        admission_request = AdmissionRequest.from_wire(self.validated(AdmissionIn, request.data))
-        result = admission.admit(
-            caller=self.caller(),
-            request=admission_request,
-            raw=request.data,
-            idempotency_key=key,
-            now=timezone.now(),
+        answer = operations.admit(
+            self.caller(),
+            self.validated(AdmissionIn, request.data),
+            request.data,
+            request.headers.get("Idempotency-Key", ""),
         )
-        body = result.body
-        if result.would_reject is not None:
-            body = {**body, "wouldReject": problem_body(result.would_reject)}
-        response = Response(body, status=result.status)
-        for name, value in result.headers.items():
-            response[name] = value
-        return response
+        return _response(answer)
 
 
 class CountView(TenantScopedView):
@@ -310,12 +305,18 @@ class ReservationView(TenantScopedView):
 
 
 class _LifecycleView(TenantScopedView):
-    def respond(self, reservation: Reservation, **extra: Any) -> Response:
-        """The reservation as the call left it (the row it wrote: no statement of its own)."""
-        return Response({**selectors.lifecycle_answer(reservation), **extra})
+    action = ""
+    """The key of the call in ``operations.LIFECYCLE``."""
+
+    def post(self, request: Request, reservation_id: str) -> Response:
+        call = operations.LIFECYCLE[self.action]
+        rid = _reservation_id(reservation_id)
+        return _response(call.run(self.caller(), rid, self.validated(call.serializer, request.data)))
 
 
 class DispatchView(_LifecycleView):
+    action = "dispatch"
+
     @extend_schema(
         request=DispatchIn,
         responses={200: LifecycleOut, **ERRORS},
@@ -325,20 +326,12 @@ class DispatchView(_LifecycleView):
         + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(DispatchIn, request.data)
-        reservation = lifecycle.dispatch(
-            reservation_id=rid,
-            tenant_ids=self.tenant_ids(),
-            fence=body["fence"],
-            provider_request_id=body["providerRequestId"],
-            admitted_digest=body["admittedDigest"],
-            now=timezone.now(),
-        )
-        return self.respond(reservation)
+        return super().post(request, reservation_id)
 
 
 class UsageView(_LifecycleView):
+    action = "usage"
+
     @extend_schema(
         request=UsageIn,
         responses={200: LifecycleAppliedOut, **ERRORS},
@@ -348,26 +341,12 @@ class UsageView(_LifecycleView):
         "releases what was not used. A repeated usageEventId answers applied false." + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(UsageIn, request.data)
-        usage = lifecycle.Usage(
-            usage_event_id=body["usageEventId"],
-            output_tokens=body["outputTokens"],
-            input_tokens=body.get("inputTokens"),
-            final=body["final"],
-            cached_input_tokens=body.get("cachedInputTokens"),
-        )
-        reservation, applied = lifecycle.record_usage(
-            reservation_id=rid,
-            tenant_ids=self.tenant_ids(),
-            fence=body["fence"],
-            usage=usage,
-            now=timezone.now(),
-        )
-        return self.respond(reservation, applied=applied)
+        return super().post(request, reservation_id)
 
 
 class TopUpView(_LifecycleView):
+    action = "top-up"
+
     @extend_schema(
         request=TopUpIn,
         responses={200: LifecycleAppliedOut, **ERRORS},
@@ -377,20 +356,12 @@ class TopUpView(_LifecycleView):
         "repeated topUpId answers applied false." + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(TopUpIn, request.data)
-        reservation, applied = lifecycle.top_up(
-            reservation_id=rid,
-            tenant_ids=self.tenant_ids(),
-            fence=body["fence"],
-            top_up_id=body["topUpId"],
-            output_tokens=body["outputTokens"],
-            now=timezone.now(),
-        )
-        return self.respond(reservation, applied=applied)
+        return super().post(request, reservation_id)
 
 
 class CancelView(_LifecycleView):
+    action = "cancel"
+
     @extend_schema(
         request=FenceIn,
         responses={200: LifecycleOut, **ERRORS},
@@ -399,15 +370,12 @@ class CancelView(_LifecycleView):
         description="Releases everything held by a reservation that was never sent." + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(FenceIn, request.data)
-        reservation = lifecycle.cancel(
-            reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"], now=timezone.now()
-        )
-        return self.respond(reservation)
+        return super().post(request, reservation_id)
 
 
 class FailView(_LifecycleView):
+    action = "fail"
+
     @extend_schema(
         request=FailIn,
         responses={200: LifecycleOut, **ERRORS},
@@ -417,30 +385,12 @@ class FailView(_LifecycleView):
         "seen; what cannot be proved unsent waits for reconciliation." + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(FailIn, request.data)
-        raw_usage = body.get("usage")
-        usage = None
-        if raw_usage:
-            usage = lifecycle.Usage(
-                usage_event_id=raw_usage["usageEventId"],
-                output_tokens=raw_usage["outputTokens"],
-                input_tokens=raw_usage.get("inputTokens"),
-                final=False,
-            )
-        reservation = lifecycle.fail(
-            reservation_id=rid,
-            tenant_ids=self.tenant_ids(),
-            fence=body["fence"],
-            reason=body["reason"],
-            request_sent=body["requestSent"],
-            usage=usage,
-            now=timezone.now(),
-        )
-        return self.respond(reservation)
+        return super().post(request, reservation_id)
 
 
 class LeaseView(_LifecycleView):
+    action = "lease"
+
     @extend_schema(
         request=FenceIn,
         responses={200: LifecycleOut, **ERRORS},
@@ -449,15 +399,12 @@ class LeaseView(_LifecycleView):
         description="Extends a long call's lease so the reservation is not reclaimed." + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(FenceIn, request.data)
-        reservation = lifecycle.renew_lease(
-            reservation_id=rid, tenant_ids=self.tenant_ids(), fence=body["fence"]
-        )
-        return self.respond(reservation)
+        return super().post(request, reservation_id)
 
 
 class OutcomeView(_LifecycleView):
+    action = "outcome"
+
     @extend_schema(
         request=OutcomeIn,
         responses={200: LifecycleOut, **ERRORS},
@@ -467,12 +414,4 @@ class OutcomeView(_LifecycleView):
         + LIFECYCLE_ERRORS,
     )
     def post(self, request: Request, reservation_id: str) -> Response:
-        rid = _reservation_id(reservation_id)
-        body = self.validated(OutcomeIn, request.data)
-        reservation = lifecycle.record_outcome(
-            reservation_id=rid,
-            tenant_ids=self.tenant_ids(),
-            task_success=body["taskSuccess"],
-            cited_evidence_ids=body["citedEvidenceIds"],
-        )
-        return self.respond(reservation)
+        return super().post(request, reservation_id)
