@@ -26,11 +26,18 @@ class ServiceTokenAuthentication(BaseAuthentication):
             raw = header[1].decode("ascii")
         except UnicodeDecodeError:
             raise AuthenticationFailed("token is not ASCII") from None
-        catalog, db_now = snapshot.current()
-        caller = catalog.caller(hash_token(raw), db_now)
+        caller = caller_for_token(raw)
         if caller is None:
             raise AuthenticationFailed("unknown or revoked token")
         return caller.client, caller
 
     def authenticate_header(self, request: Request) -> str:
         return 'Bearer realm="api"'
+
+
+def caller_for_token(raw: str) -> Caller | None:
+    """The caller a bearer token stands for (None: unknown, revoked or expired), with the catalog snapshot and
+    the database clock: one statement, the catalog version check, when the catalog has not changed since this
+    process last read it."""
+    catalog, db_now = snapshot.current()
+    return catalog.caller(hash_token(raw), db_now)

@@ -69,17 +69,23 @@ class ApiProblemMiddleware:
         return answer
 
     def process_exception(self, request: HttpRequest, exc: Exception) -> HttpResponse | None:
-        if isinstance(exc, DEPENDENCY_ERRORS):
-            error: DomainError = unavailable(exc)
-            if not request.path.startswith(API_PREFIX):
-                response = HttpResponse(error.detail, status=503, content_type="text/plain; charset=utf-8")
-                response["Retry-After"] = str(error.retry_after)
-                return response
-            return _problem_response(error)
+        return exception_answer(request, exc)
+
+
+def exception_answer(request: HttpRequest, exc: Exception) -> HttpResponse | None:
+    """The answer to an exception a view (or the hot path) raised: 503 for a dependency that is down, a 500
+    problem (logged with its traceback) under ``/api/``; None elsewhere (Django's own 500 page)."""
+    if isinstance(exc, DEPENDENCY_ERRORS):
+        error: DomainError = unavailable(exc)
         if not request.path.startswith(API_PREFIX):
-            return None
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return _problem_response(Problem("an unexpected error occurred", status=500, code="INTERNAL_ERROR"))
+            response = HttpResponse(error.detail, status=503, content_type="text/plain; charset=utf-8")
+            response["Retry-After"] = str(error.retry_after)
+            return response
+        return _problem_response(error)
+    if not request.path.startswith(API_PREFIX):
+        return None
+    logger.exception("unhandled error on %s %s", request.method, request.path)
+    return _problem_response(Problem("an unexpected error occurred", status=500, code="INTERNAL_ERROR"))
 
 
 def _chunked(request: HttpRequest) -> bool:

@@ -122,7 +122,7 @@ def loads_strict(raw: bytes) -> Any:
     return value
 
 
-def _charset(media_type: str) -> str | None:
+def media_charset(media_type: str) -> str | None:
     """The ``charset`` parameter of a Content-Type, lower case and unquoted, or None."""
     for param in media_type.split(";")[1:]:
         name, _, value = param.partition("=")
@@ -140,7 +140,7 @@ class StrictJSONParser(BaseParser):
         media_type: str | None = None,
         parser_context: Mapping[str, Any] | None = None,
     ) -> Any:
-        charset = _charset(media_type or "")
+        charset = media_charset(media_type or "")
         if charset not in (None, "utf-8", "utf8"):
             raise drf_exceptions.UnsupportedMediaType(
                 media_type or "",

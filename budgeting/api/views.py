@@ -304,7 +304,7 @@ class ReservationView(TenantScopedView):
         return Response(selectors.reservation_detail(reservation))
 
 
-class _LifecycleView(TenantScopedView):
+class LifecycleView(TenantScopedView):
     action = ""
     """The key of the call in ``operations.LIFECYCLE``."""
 
@@ -314,7 +314,7 @@ class _LifecycleView(TenantScopedView):
         return _response(call.run(self.caller(), rid, self.validated(call.serializer, request.data)))
 
 
-class DispatchView(_LifecycleView):
+class DispatchView(LifecycleView):
     action = "dispatch"
 
     @extend_schema(
@@ -329,7 +329,7 @@ class DispatchView(_LifecycleView):
         return super().post(request, reservation_id)
 
 
-class UsageView(_LifecycleView):
+class UsageView(LifecycleView):
     action = "usage"
 
     @extend_schema(
@@ -344,7 +344,7 @@ class UsageView(_LifecycleView):
         return super().post(request, reservation_id)
 
 
-class TopUpView(_LifecycleView):
+class TopUpView(LifecycleView):
     action = "top-up"
 
     @extend_schema(
@@ -359,7 +359,7 @@ class TopUpView(_LifecycleView):
         return super().post(request, reservation_id)
 
 
-class CancelView(_LifecycleView):
+class CancelView(LifecycleView):
     action = "cancel"
 
     @extend_schema(
@@ -373,7 +373,7 @@ class CancelView(_LifecycleView):
         return super().post(request, reservation_id)
 
 
-class FailView(_LifecycleView):
+class FailView(LifecycleView):
     action = "fail"
 
     @extend_schema(
@@ -388,7 +388,7 @@ class FailView(_LifecycleView):
         return super().post(request, reservation_id)
 
 
-class LeaseView(_LifecycleView):
+class LeaseView(LifecycleView):
     action = "lease"
 
     @extend_schema(
@@ -402,7 +402,7 @@ class LeaseView(_LifecycleView):
         return super().post(request, reservation_id)
 
 
-class OutcomeView(_LifecycleView):
+class OutcomeView(LifecycleView):
     action = "outcome"
 
     @extend_schema(

@@ -147,7 +147,7 @@ def api_fields(request: HttpRequest, response: HttpResponse) -> dict[str, Any]:
     """The client, tenant, answer code and reservation id of an API call, from what the request and the
     response already hold (no query): the authenticated client, the parsed request body and the answer."""
     body = _answer(response)
-    sent = _parsed_request(response)
+    sent = _parsed_request(request, response)
     kwargs = request.resolver_match.kwargs if request.resolver_match else {}
     fields = {
         "client": _client(request),
@@ -184,8 +184,11 @@ def _answer(response: HttpResponse) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def _parsed_request(response: HttpResponse) -> dict[str, Any]:
-    """The request body DRF already parsed for the view (never parsed here: that could fail or be slow)."""
-    context = getattr(response, "renderer_context", None) or {}
-    data = getattr(context.get("request"), "_full_data", None)
+def _parsed_request(request: HttpRequest, response: HttpResponse) -> dict[str, Any]:
+    """The request body already parsed, by the hot path (``budgeting.api.hotpath``) or by DRF for the view
+    (never parsed here: that could fail or be slow)."""
+    data = request.__dict__.get("api_body")
+    if data is None:
+        context = getattr(response, "renderer_context", None) or {}
+        data = getattr(context.get("request"), "_full_data", None)
     return data if isinstance(data, dict) else {}
