@@ -1,12 +1,13 @@
 """The gateway's per-call requests — the admission and the lifecycle calls — served without the middleware and
 the framework layers that do nothing for them.
 
-A gateway makes two of these calls for every model call (the admission, then the final usage), and the
-admission is on the model call's path: what the platform adds to each call is mostly these two requests.
-Through Django's whole middleware stack and DRF's view machinery a small admission took about 3.8 ms over
-HTTP on the development machine, 0.4–0.5 ms of it in layers that do nothing for a bearer-token JSON call:
-static files, sessions, CSRF (exempt), the session user, messages, sign-in lockouts, URL dispatch to DRF,
-its authentication, negotiation, parsing and rendering classes (bench/gateway_bench.py; bench/README.md).
+A gateway makes two of these calls for every model call (the admission, then the final usage). Through
+Django's whole middleware stack and DRF's view machinery each spends CPU in layers that do nothing for a
+bearer-token JSON call: static files, sessions, CSRF (exempt), the session user, messages, sign-in lockouts,
+URL dispatch to DRF, its authentication, negotiation, parsing and rendering classes. Without them the API
+serves 7–8 % more admit + release pairs a second, and an admission made alone takes 3–5 % less time
+(bench/hotpath_bench.py); through the LiteLLM proxy a call's latency moved by nothing measurable
+(bench/gateway_bench.py's ``views`` arm; the figures are in the README).
 
 ``HotPathMiddleware`` sits after the middleware that does matter for the API (security headers and the
 HTTPS redirect, the request log and its ``X-Request-ID``, problem+json, ``X-Frame-Options``) and before the
