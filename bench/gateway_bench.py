@@ -159,10 +159,9 @@ def _lease() -> dict[str, Any]:
     return {"fence": 1, "expiresAt": (datetime.now(UTC) + timedelta(seconds=120)).isoformat()}
 
 
-def real_grant(api: str) -> dict[str, Any]:
-    """One real admission answer of our API for the bench's request (as the hook maps it), then released."""
-    request_id = f"gateway-bench-grant-{uuid.uuid4()}"
-    body = {
+def admission_body(request_id: str) -> dict[str, Any]:
+    """The admission the hook sends for the bench's chat request (without its dispatch)."""
+    return {
         "requestId": request_id,
         "tenantId": GROUP["tenant"],
         "taskClass": GROUP["taskClass"],
@@ -178,6 +177,12 @@ def real_grant(api: str) -> dict[str, Any]:
             "tools": [],
         },
     }
+
+
+def real_grant(api: str) -> dict[str, Any]:
+    """One real admission answer of our API for the bench's request (as the hook maps it), then released."""
+    request_id = f"gateway-bench-grant-{uuid.uuid4()}"
+    body = admission_body(request_id)
     grant = _post_json(api, "/api/v1/admissions", body, {"Idempotency-Key": request_id})
     cancel = f"/api/v1/reservations/{grant['reservationId']}/cancel"
     _post_json(api, cancel, {"fence": grant["lease"]["fence"]})

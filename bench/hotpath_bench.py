@@ -34,31 +34,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from admission_bench import TOKEN, bench_database_url, hot_shape, prepare  # noqa: E402
-from gateway_bench import GROUP, MAX_TOKENS, QUESTION, SYSTEM, serve_api  # noqa: E402
+from gateway_bench import MAX_TOKENS, admission_body, serve_api  # noqa: E402
 from lifecycle_bench import http_pairs  # noqa: E402
 
 WAYS = {"hot": "budgeting.settings", "views": "views_settings"}
 
 
 def admission(request_id: str) -> dict[str, Any]:
-    """The body the LiteLLM hook sends for gateway_bench.py's chat request."""
-    return {
-        "requestId": request_id,
-        "tenantId": GROUP["tenant"],
-        "taskClass": GROUP["taskClass"],
-        "modelPool": GROUP["modelPool"],
-        "modelRevision": GROUP["modelRevision"],
-        "maxOutput": MAX_TOKENS,
-        "components": {
-            "immutableRules": [[{"type": "text", "text": SYSTEM}]],
-            "authorizationScope": {"permissions": []},
-            "outputSafety": [],
-            "question": {"parts": [{"type": "text", "text": QUESTION}]},
-            "recentTurns": [],
-            "tools": [],
-        },
-        "dispatch": {"providerRequestId": f"bench-{request_id}"},
-    }
+    """The body the LiteLLM hook sends for gateway_bench.py's chat request, its dispatch included."""
+    return {**admission_body(request_id), "dispatch": {"providerRequestId": f"bench-{request_id}"}}
 
 
 async def sequential(base: str, calls: int) -> tuple[list[float], list[float]]:
