@@ -41,6 +41,7 @@ from budgeting.api.problems import exception_handler
 from budgeting.api.renderers import FastJSONRenderer
 from budgeting.api.serializers import AdmissionIn
 from budgeting.catalog.snapshot import Caller
+from budgeting.observability.logging import PARSED_BODY
 
 _PREFIX: Final = "/api/v1/"
 # What an Accept header may say for the hot path to answer (any other goes to DRF's negotiation).
@@ -60,7 +61,7 @@ class HotPathMiddleware:
         found = _plain_call(request)
         if found is None:
             return self.get_response(request)
-        view, token, data, call = found
+        view, token, call = found
         try:
             caller = caller_for_token(token)
             if caller is None:
@@ -68,7 +69,6 @@ class HotPathMiddleware:
             # As DRF's authentication leaves them: the request log names the client from here.
             request.user = caller.client  # type: ignore[assignment]
             request.auth = caller  # type: ignore[attr-defined]
-            request.api_body = data  # type: ignore[attr-defined]
             answer = call(caller)
         except Exception as exc:
             # As the view's: DRF's exception handler (a domain problem, a dependency down), else a 500.
@@ -85,9 +85,9 @@ class HotPathMiddleware:
         return _rendered(response, view)
 
 
-def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str, Any, Call] | None:
-    """The view a plainly well-formed hot request is for, its bearer token, its parsed body and the call to
-    run given the caller; None for any other request."""
+def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str, Call] | None:
+    """The view a plainly well-formed hot request is for, its bearer token and the call to run given the
+    caller; None for any other request."""
     if request.method != "POST" or not request.path_info.startswith(_PREFIX):
         return None
     meta = request.META
@@ -108,35 +108,39 @@ def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str
         return None
     view = getattr(match.func, "view_class", None)
     if view is views.AdmissionView:
-        found = _admission(request)
+        call = _admission(request)
     elif isinstance(view, type) and issubclass(view, views.LifecycleView):
-        found = _lifecycle(request, view.action, match.kwargs["reservation_id"])
+        call = _lifecycle(request, view.action, match.kwargs["reservation_id"])
     else:
         return None
-    if found is None:
+    if call is None:
         return None
     request.resolver_match = match
-    return view, token, *found
+    return view, token, call
 
 
 def _body(request: HttpRequest) -> Any:
+    """The body parsed strictly (None if it is not JSON), kept on the request: if the view takes the request
+    after all, its parser answers it rather than parse the body again."""
     try:
-        return loads_strict(request.body)
+        data = loads_strict(request.body)
     except BadJSON:
         return None
+    setattr(request, PARSED_BODY, data)
+    return data
 
 
-def _admission(request: HttpRequest) -> tuple[Any, Call] | None:
+def _admission(request: HttpRequest) -> Call | None:
     data = _body(request)
     validate = fast_validator(AdmissionIn)
     validated = None if validate is None else validate(data)
     if validated is None:
         return None
     key = request.headers.get("Idempotency-Key", "")
-    return data, lambda caller: operations.admit(caller, validated, data, key)
+    return lambda caller: operations.admit(caller, validated, data, key)
 
 
-def _lifecycle(request: HttpRequest, action: str, reservation_id: str) -> tuple[Any, Call] | None:
+def _lifecycle(request: HttpRequest, action: str, reservation_id: str) -> Call | None:
     try:
         rid = uuid.UUID(reservation_id)
     except ValueError:
@@ -147,7 +151,7 @@ def _lifecycle(request: HttpRequest, action: str, reservation_id: str) -> tuple[
     validated = None if validate is None else validate(data)
     if validated is None:
         return None
-    return data, lambda caller: call.run(caller, rid, validated)
+    return lambda caller: call.run(caller, rid, validated)
 
 
 def _bearer_token(request: HttpRequest) -> str | None:

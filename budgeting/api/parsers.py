@@ -17,6 +17,7 @@ from rest_framework import exceptions as drf_exceptions
 from rest_framework.parsers import BaseParser
 
 from budgeting.api.problems import Problem
+from budgeting.observability.logging import PARSED_BODY
 
 MAX_DEPTH = 64
 MAX_SAFE_INTEGER = 2**53 - 1
@@ -152,4 +153,8 @@ class StrictJSONParser(BaseParser):
             raise BadJSON(
                 f"body exceeds {settings.MAX_REQUEST_BYTES} bytes", status=413, code="BODY_TOO_LARGE"
             )
+        http_request = getattr(request, "_request", None)
+        if http_request is not None and PARSED_BODY in http_request.__dict__:
+            # The hot path parsed this body strictly already, then left the request to the view.
+            return http_request.__dict__[PARSED_BODY]
         return loads_strict(stream.read(settings.MAX_REQUEST_BYTES + 1))

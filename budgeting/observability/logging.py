@@ -28,6 +28,9 @@ POLL_TASKS = ("reconciliation.admit_queued",)
 _CELERY_LOGGERS = ("celery.app.trace", "celery.worker.strategy", "celery.beat")
 # Requests logged at debug level: the Prometheus scrape comes every few seconds.
 QUIET_PATHS = ("/metrics",)
+# Where a body parsed before the view (by budgeting.api.hotpath) is kept on Django's request: the view's
+# parser answers it instead of parsing the body again, and the request log reads it.
+PARSED_BODY = "api_body"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _MAX_PARSED_BYTES = 64 * 1024
 
@@ -187,7 +190,7 @@ def _answer(response: HttpResponse) -> dict[str, Any]:
 def _parsed_request(request: HttpRequest, response: HttpResponse) -> dict[str, Any]:
     """The request body already parsed, by the hot path (``budgeting.api.hotpath``) or by DRF for the view
     (never parsed here: that could fail or be slow)."""
-    data = request.__dict__.get("api_body")
+    data = request.__dict__.get(PARSED_BODY)
     if data is None:
         context = getattr(response, "renderer_context", None) or {}
         data = getattr(context.get("request"), "_full_data", None)

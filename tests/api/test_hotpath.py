@@ -20,6 +20,7 @@ from rest_framework.test import APIClient
 from rest_framework.views import APIView
 
 from budgeting.admission.models import Manifest
+from budgeting.api import hotpath, parsers
 from ledger.models import CapacityAccount, LedgerEntry, Reservation, Scope, UsageEvent
 from ledger.services import lifecycle
 from tests.api.test_admissions import TOKEN, api  # noqa: F401  (api: the demo provisioned)
@@ -274,3 +275,23 @@ def test_a_dependency_down_is_503_and_a_bug_500_on_the_hot_path(api, settings, d
     answer = send(api_client, path, {"fence": 1})
     assert (answer.status_code, answer.json()["code"]) == (500, "INTERNAL_ERROR")
     assert drf == []
+
+
+def test_a_body_left_to_the_serializer_is_parsed_once(api, settings, drf, monkeypatch):  # noqa: F811
+    api_client = client(settings, "hot")
+    parsed: list[int] = []
+    loads_strict = parsers.loads_strict
+
+    def counted(raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return loads_strict(raw)
+
+    monkeypatch.setattr(hotpath, "loads_strict", counted)
+    monkeypatch.setattr(parsers, "loads_strict", counted)
+    # A string DRF trims: the compiled check leaves the body to the serializer, which accepts it.
+    body = support_request("  padded-1  ")
+    answer = send(api_client, "/api/v1/admissions", body, HTTP_IDEMPOTENCY_KEY="k-padded")
+    assert answer.status_code == 201, answer.content
+    assert answer.json()["requestId"] == "padded-1"
+    assert drf == ["AdmissionView"]
+    assert len(parsed) == 1, "the view's parser answered the body the hot path had parsed"
