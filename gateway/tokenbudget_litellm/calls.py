@@ -144,6 +144,8 @@ class Api(Protocol):
         path: str,
         body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        sent: asyncio.Event | None = None,
     ) -> ApiResponse: ...
 
 
@@ -172,9 +174,10 @@ class Calls:
         self._monotonic = monotonic
         self._wall_clock = wall_clock
 
-    async def admit(self, request: AdmissionRequest) -> Admitted:
+    async def admit(self, request: AdmissionRequest, *, sent: asyncio.Event | None = None) -> Admitted:
         """``POST /api/v1/admissions``; a queued answer is asked again with the same key until admitted
         or ``queue_wait_s`` has passed (then the queued reservation is cancelled and 429 ``QUEUED``).
+        ``sent`` is set once the first ask is on the wire (``AsyncApi.request``).
 
         Raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation`` otherwise.
         """
@@ -183,7 +186,7 @@ class Calls:
         queued = False
         while True:
             try:
-                response = await self._post_admission(request, provider_request_id)
+                response = await self._post_admission(request, provider_request_id, sent)
             except ApiUnavailable as exc:
                 if queued and not exc.reached:
                     # An earlier answer queued the admission: our API holds it, whatever this attempt proves.
@@ -280,7 +283,7 @@ class Calls:
         return self._lease_seconds(response.body)
 
     async def _post_admission(
-        self, request: AdmissionRequest, provider_request_id: str | None
+        self, request: AdmissionRequest, provider_request_id: str | None, sent: asyncio.Event | None = None
     ) -> ApiResponse:
         headers = {"Idempotency-Key": request.idempotency_key}
         if request.traceparent:
@@ -289,7 +292,7 @@ class Calls:
         if provider_request_id is not None:
             body = {**body, "dispatch": {"providerRequestId": provider_request_id}}
         try:
-            return await self._api.request("POST", ADMISSIONS_PATH, body, headers)
+            return await self._api.request("POST", ADMISSIONS_PATH, body, headers, sent=sent)
         except ApiError as exc:
             # Our 5xx are outages as far as the proxy's client is concerned: retry later. A 404 is a
             # tenant, task class or pool this API does not know: the request, not a missing route.

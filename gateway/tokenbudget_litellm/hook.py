@@ -8,24 +8,30 @@ Load it from the proxy's config (its settings: ``tokenbudget_litellm.settings``)
 Every call to our API is a coroutine on the proxy's event loop over kept-alive connections
 (``transport.AsyncApi``), bounded by one deadline (``timeoutSeconds``). One call, hook by hook:
 
-- ``async_pre_call_hook``: the request is mapped (``mapping``) and admitted; the admission also records the
-  dispatch under a provider request id the hook chose (``dispatchAtAdmission``), so this is the one call
-  to us before the provider call. The request then carries the admitted payload, is routed to the proxy
-  model that serves the admitted model revision (the group's ``deployments``: a fallback rung's smaller
-  model is sent to its own deployment), asks a stream for its usage (``stream_options.include_usage``) and
-  carries, in its metadata under ``tokenbudget_ticket``, the reservation id, fence and provider request id;
-  router retries are turned off (a reservation covers one provider call). The lease is kept from then on
-  (below). A refusal of our API reaches the proxy's client with its status (429, 422, 503…; an unknown
-  tenant, task class or pool 400), our problem (its ``code`` in ``error.provider_specific_fields``) and
+- ``async_pre_call_hook``: the request is mapped (``mapping``) and its admission sent; the admission also
+  records the dispatch under a provider request id the hook chose (``dispatchAtAdmission``), so it is the
+  one call to us before the provider call. Router retries and fallbacks are turned off (a reservation
+  covers one provider call). For a group whose admission cannot change where the call goes (no
+  ``deployments``) the hook returns as soon as the admission is on the wire, and LiteLLM routes the call
+  (a millisecond or two of the proxy's own work) while our API decides; the admission is awaited in the
+  next hook. For a group with ``deployments`` the call is routed only once admitted, to the proxy model
+  that serves the admitted model revision (a fallback rung's smaller model has its own deployment).
+- ``async_pre_call_deployment_hook``: right before the provider call, the call is admitted (the admission
+  awaited where it was left in flight). It then carries the admitted payload, asks a stream for its usage
+  (``stream_options.include_usage``) and carries, in its metadata under ``tokenbudget_ticket``, the
+  reservation id, fence and provider request id; the lease is kept from then on (below); the provider
+  request id is sent as ``X-Request-Id`` (and the dispatch recorded, where the admission could not: a
+  queued admission). A second attempt for the same reservation (a retry or a fallback) is refused. A
+  refusal of our API reaches the proxy's client with its status (429, 422, 503…; an unknown tenant, task
+  class or pool 400), our problem (its ``code`` in ``error.provider_specific_fields``) and
   ``Retry-After``, and is logged in one line. If admission cannot be decided (our API unreachable or not
   answering within the deadline, or this hook fails) the call is refused 503 ``ADMISSION_UNAVAILABLE``, or
   let through unadmitted and logged when ``failOpen`` is set. An admission given up on that way may still
   be granted by our API: it is withdrawn in the background (``Calls.withdraw``: asked again with the same
   key, then released in full) unless its key is the caller's own ``requestId``, which the caller may retry
-  with, or no attempt got a connection (nothing reached our API). Shadow tenants' calls go unchanged.
-- ``async_pre_call_deployment_hook``: right before the provider call, the provider request id is sent as
-  ``X-Request-Id`` (and the dispatch recorded, where the admission could not: a queued admission). A
-  second attempt for the same reservation (a retry or a fallback) is refused.
+  with, or no attempt got a connection (nothing reached our API). A call that fails or is given up while
+  its admission is in flight has what it is granted released in full. Shadow tenants' calls go unchanged
+  (but for the retries turned off).
 - ``async_post_call_response_headers_hook``: the answer carries ``x-tokenbudget-reservation-id``,
   ``x-tokenbudget-rung`` and ``x-tokenbudget-model-revision``.
 - ``async_post_call_streaming_iterator_hook``: counts the content chunks a stream delivers (each is at
@@ -56,7 +62,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Mapping
+import uuid
+from collections.abc import AsyncGenerator, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -65,6 +72,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from tokenbudget_gateway.errors import GatewayError, StaleFence
 
 from tokenbudget_litellm.calls import (
+    Admitted,
     Calls,
     Refusal,
     Ticket,
@@ -79,12 +87,13 @@ from tokenbudget_litellm.mapping import (
     apply_admitted,
     to_admission,
 )
-from tokenbudget_litellm.settings import HookSettings
+from tokenbudget_litellm.settings import HookSettings, ModelGroup
 from tokenbudget_litellm.transport import AsyncApi
 
 logger = logging.getLogger(__name__)
 
 TICKET_KEY: Final = "tokenbudget_ticket"
+_ADMISSION_KEY: Final = "tokenbudget_admission"
 _CHAT_CALLS: Final = frozenset({"completion", "acompletion"})
 _UNAVAILABLE_RETRY_AFTER: Final = "5"
 _PROXY_LOGGER: Final = "LiteLLM Proxy"
@@ -101,6 +110,18 @@ class _CallState:
     usage: Any = None
     wants_usage: bool = False
     keeper: asyncio.Task[None] | None = None
+
+
+class _Admission:
+    """An admission asked for a call (its ``task`` started at once)."""
+
+    def __init__(
+        self, admit: Coroutine[Any, Any, Admitted], name: str, group: ModelGroup, request: AdmissionRequest
+    ) -> None:
+        self.task = asyncio.get_running_loop().create_task(admit)
+        self.name = name
+        self.group = group
+        self.request = request
 
 
 class _Refused(HTTPException):
@@ -136,6 +157,7 @@ class TokenBudgetHook(CustomLogger):
             dispatch_at_admission=settings.dispatch_at_admission,
         )
         self._states: dict[str, _CallState] = {}
+        self._admissions: dict[str, _Admission] = {}
         self._background: set[asyncio.Task[None]] = set()
         # First: LiteLLM's own filter on that logger formats the record's arguments away.
         logging.getLogger(_PROXY_LOGGER).filters.insert(0, _OneLinePerRefusal())
@@ -169,55 +191,28 @@ class TokenBudgetHook(CustomLogger):
             raise _refused(Refusal.of(400, exc.code, exc.detail), name) from exc
         except Exception as exc:
             return self._undecided(data, exc)
-        try:
-            admitted = await self.calls.admit(request)
-        except Refusal as exc:
-            raise _refused(exc, name) from exc
-        except Exception as exc:
-            if not request.callers_key and may_have_reached_our_api(exc):
-                # Our API may still grant what we gave up on: release it rather than leave it held until
-                # its lease expires. (A caller's own requestId is the caller's to retry with; a request that
-                # never got a connection granted nothing.)
-                self._in_background(self._withdraw(request))
-            return self._undecided(data, exc)
-        if admitted.ticket is None:
-            return data
-        ticket = admitted.ticket
-        deployment = group.deployment_for(name, ticket.model_revision)
-        try:
-            if deployment is None:
-                raise MappingError(
-                    "MODEL_REVISION_NOT_DEPLOYED",
-                    f"admitted on {ticket.model_revision!r}: not in modelGroups.{name}.deployments",
-                )
-            apply_admitted(data, admitted.payload, ticket.max_output)
-        except MappingError as exc:
-            await self._release(ticket, _CallState(), str(exc))
-            return self._undecided(data, exc)
-        state = _CallState()
-        data["model"] = deployment
-        if data.get("stream"):
-            options = data.get("stream_options")
-            options = dict(options) if isinstance(options, Mapping) else {}
-            state.wants_usage = options.get("include_usage") is True
-            data["stream_options"] = {**options, "include_usage": True}
+        data["num_retries"] = 0
+        data.pop("fallbacks", None)
         metadata = data.get("metadata")
         if not isinstance(metadata, dict):
             metadata = data["metadata"] = {}
-        metadata[TICKET_KEY] = ticket.to_metadata()
-        data["num_retries"] = 0
-        data.pop("fallbacks", None)
-        self._states[ticket.reservation_id] = state
-        state.keeper = asyncio.get_running_loop().create_task(self._keep_lease(ticket))
-        logger.info(
-            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s",
-            name,
-            ticket.rung,
-            ticket.model_revision or group.model_revision,
-            deployment,
-            ticket.reservation_id,
-            ticket.provider_request_id,
-        )
+        if group.deployments:
+            # A rung may move the call to another deployment: LiteLLM routes it once it is admitted.
+            ticket = await self._admitted_call(
+                data, metadata, _Admission(self.calls.admit(request), name, group, request)
+            )
+            if ticket is not None:
+                data["model"] = group.deployment_for(name, ticket.model_revision)
+            return data
+        sent = asyncio.Event()
+        admission = _Admission(self.calls.admit(request, sent=sent), name, group, request)
+        try:
+            await sent.wait()
+        except asyncio.CancelledError:
+            self._in_background(self._dropped(admission))
+            raise
+        metadata[_ADMISSION_KEY] = key = uuid.uuid4().hex
+        self._admissions[key] = admission
         return data
 
     async def async_pre_call_deployment_hook(
@@ -225,7 +220,12 @@ class TokenBudgetHook(CustomLogger):
     ) -> dict[str, Any] | None:
         ticket = _ticket(kwargs.get("metadata"), kwargs.get("litellm_metadata"))
         if ticket is None:
-            return None
+            metadata, admission = self._admission_of(kwargs.get("metadata"), kwargs.get("litellm_metadata"))
+            if admission is None:
+                return None
+            ticket = await self._admitted_call(kwargs, metadata, admission)
+            if ticket is None:
+                return kwargs
         state = self._states.get(ticket.reservation_id)
         if state is None or state.sent:
             raise _refused(
@@ -319,8 +319,9 @@ class TokenBudgetHook(CustomLogger):
         params = kwargs.get("litellm_params") or {}
         error = kwargs.get("exception")
         await self._settle_failed(
-            _ticket(params.get("metadata"), params.get("litellm_metadata")),
-            error if isinstance(error, BaseException) else RuntimeError(str(error)),
+            params.get("metadata"),
+            params.get("litellm_metadata"),
+            error=error if isinstance(error, BaseException) else RuntimeError(str(error)),
         )
 
     async def async_post_call_failure_hook(
@@ -331,8 +332,88 @@ class TokenBudgetHook(CustomLogger):
         traceback_str: str | None = None,
     ) -> None:
         await self._settle_failed(
-            _ticket(request_data.get("metadata"), request_data.get("litellm_metadata")), original_exception
+            request_data.get("metadata"), request_data.get("litellm_metadata"), error=original_exception
         )
+
+    async def _admitted_call(
+        self, data: dict[str, Any], metadata: dict[str, Any], admission: _Admission
+    ) -> Ticket | None:
+        """Wait for ``admission`` and make ``data`` (the proxy's request, or LiteLLM's call to the
+        deployment) carry what was admitted; the call's ticket goes in ``metadata`` and its lease is kept
+        from now on. ``None``: the call goes on as it is (a shadow tenant's, or let through unadmitted with
+        ``failOpen``). Raises what the proxy answers the client with: our refusal, or 503."""
+        name, group, request = admission.name, admission.group, admission.request
+        try:
+            admitted = await asyncio.shield(admission.task)
+        except asyncio.CancelledError:
+            # The proxy gave up on the call (its client went away): the admission may still be granted.
+            self._in_background(self._dropped(admission))
+            raise
+        except Refusal as exc:
+            raise _refused(exc, name) from exc
+        except Exception as exc:
+            if not request.callers_key and may_have_reached_our_api(exc):
+                # Our API may still grant what we gave up on: release it rather than leave it held until
+                # its lease expires. (A caller's own requestId is the caller's to retry with; a request that
+                # never got a connection granted nothing.)
+                self._in_background(self._withdraw(request))
+            self._undecided(data, exc)
+            return None
+        if admitted.ticket is None:
+            return None
+        ticket = admitted.ticket
+        deployment = group.deployment_for(name, ticket.model_revision)
+        try:
+            if deployment is None:
+                raise MappingError(
+                    "MODEL_REVISION_NOT_DEPLOYED",
+                    f"admitted on {ticket.model_revision!r}: not in modelGroups.{name}.deployments",
+                )
+            apply_admitted(data, admitted.payload, ticket.max_output)
+        except MappingError as exc:
+            await self._release(ticket, _CallState(), str(exc))
+            self._undecided(data, exc)
+            return None
+        state = _CallState()
+        if data.get("stream"):
+            options = data.get("stream_options")
+            options = dict(options) if isinstance(options, Mapping) else {}
+            state.wants_usage = options.get("include_usage") is True
+            data["stream_options"] = {**options, "include_usage": True}
+        metadata[TICKET_KEY] = ticket.to_metadata()
+        self._states[ticket.reservation_id] = state
+        state.keeper = asyncio.get_running_loop().create_task(self._keep_lease(ticket))
+        logger.info(
+            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s",
+            name,
+            ticket.rung,
+            ticket.model_revision or group.model_revision,
+            deployment,
+            ticket.reservation_id,
+            ticket.provider_request_id,
+        )
+        return ticket
+
+    def _admission_of(self, *holders: Any) -> tuple[dict[str, Any], _Admission | None]:
+        """The admission in flight for a call, taken (only one hook waits for it), and the metadata that
+        named it; ``({}, None)`` if none is."""
+        for metadata in holders:
+            if isinstance(metadata, dict) and _ADMISSION_KEY in metadata:
+                return metadata, self._admissions.pop(metadata[_ADMISSION_KEY], None)
+        return {}, None
+
+    async def _dropped(self, admission: _Admission) -> None:
+        """A call given up before it was sent, its admission still in flight: release what it grants."""
+        try:
+            admitted = await admission.task
+        except Refusal:
+            return
+        except Exception as exc:
+            if not admission.request.callers_key and may_have_reached_our_api(exc):
+                await self._withdraw(admission.request)
+            return
+        if admitted.ticket is not None:
+            await self._release(admitted.ticket, _CallState(), "the call was given up before it was sent")
 
     def _undecided(self, data: dict[str, Any], error: BaseException) -> dict[str, Any]:
         """Admission could not be decided: refuse (fail closed) or, if configured, let the call through."""
@@ -371,9 +452,17 @@ class TokenBudgetHook(CustomLogger):
             provider_id=provider_id if isinstance(provider_id, str) else None,
         )
 
-    async def _settle_failed(self, ticket: Ticket | None, error: BaseException) -> None:
+    async def _settle_failed(self, *metadata: Any, error: BaseException) -> None:
+        """A failed call: the reservation of its ticket is settled; an admission still in flight (the call
+        failed while LiteLLM routed it) is released when it arrives."""
+        ticket = _ticket(*metadata)
+        if ticket is None:
+            _, admission = self._admission_of(*metadata)
+            if admission is not None:
+                self._in_background(self._dropped(admission))
+            return
         state = self._take(ticket)
-        if ticket is None or state is None:
+        if state is None:
             return
         try:
             if not state.sent:

@@ -9,6 +9,11 @@ kept-alive POST of a 1 KB body to a loopback server). Every ``request`` is bound
 that covers its retries and their back-off: a hung API answers ``ApiUnavailable`` within the deadline,
 never after attempts × a per-attempt timeout.
 
+A caller that wants to go on while the answer is on its way (the hook lets LiteLLM route the call while
+its admission is decided) passes ``sent``, an ``asyncio.Event`` set once the request's bytes are handed to
+the connection (or the request ended without that): on Python before 3.12, aiohttp writes a body from a
+task of its own, so a request coroutine that has merely started may not have sent anything yet.
+
 Retries and what a status means are those of ``tokenbudget_gateway.transport`` (``RetryPolicy``,
 ``is_retryable_status``): a call is repeated unchanged, which is safe because every write is idempotent by
 its ids.
@@ -29,6 +34,16 @@ from tokenbudget_gateway.errors import ApiError, ApiUnavailable, StaleFence
 from tokenbudget_gateway.transport import ApiResponse, BaseUrl, RetryPolicy, is_retryable_status
 
 logger = logging.getLogger(__name__)
+
+
+async def _on_chunk_sent(session: Any, context: Any, params: Any) -> None:
+    sent = context.trace_request_ctx.get("sent") if context.trace_request_ctx else None
+    if isinstance(sent, asyncio.Event):
+        sent.set()
+
+
+_SENT = aiohttp.TraceConfig()
+_SENT.on_request_chunk_sent.append(_on_chunk_sent)
 
 
 class AsyncApi:
@@ -72,6 +87,7 @@ class AsyncApi:
                 cookie_jar=aiohttp.DummyCookieJar(),
                 auto_decompress=False,
                 skip_auto_headers=("Accept-Encoding",),
+                trace_configs=[_SENT],
             )
             self._loop = loop
         return self._session
@@ -82,12 +98,29 @@ class AsyncApi:
         path: str,
         body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        sent: asyncio.Event | None = None,
     ) -> ApiResponse:
         """Send one call, retrying transient failures with the identical body, all within the deadline.
 
-        Raises ``StaleFence``/``ApiError`` for an error answer, ``ApiUnavailable`` when the deadline passed
-        or the retries ran out (``reached`` false when no attempt got a connection).
+        ``sent`` is set once the request is on the wire, or when this returns or raises (see the module
+        docstring). Raises ``StaleFence``/``ApiError`` for an error answer, ``ApiUnavailable`` when the
+        deadline passed or the retries ran out (``reached`` false when no attempt got a connection).
         """
+        try:
+            return await self._request(method, path, body, headers, sent)
+        finally:
+            if sent is not None:
+                sent.set()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        headers: Mapping[str, str] | None,
+        sent: asyncio.Event | None,
+    ) -> ApiResponse:
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         sent_headers = {"Content-Type": "application/json"} if data is not None else {}
         sent_headers.update(headers or {})
@@ -107,7 +140,11 @@ class AsyncApi:
                 async with (
                     asyncio.timeout(left),
                     self._http().request(
-                        method, self._base_url + path, data=data, headers=sent_headers
+                        method,
+                        self._base_url + path,
+                        data=data,
+                        headers=sent_headers,
+                        trace_request_ctx=None if sent is None else {"sent": sent},
                     ) as answer,
                 ):
                     status, content = answer.status, await answer.read()

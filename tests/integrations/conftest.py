@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,8 +109,12 @@ def proxy(
             *({"model_name": name, "litellm_params": backend("model@2026-07-01")} for name in MODEL_GROUPS),
             {"model_name": "contract-review-small", "litellm_params": backend("small@2026-05-12")},
         ],
-        "litellm_settings": {"callbacks": "tokenbudget_litellm.hook.proxy_handler_instance"},
+        "litellm_settings": {
+            # Ours, then a guardrail refusing what a test asks it to (``refuser``, beside the config).
+            "callbacks": ["tokenbudget_litellm.hook.proxy_handler_instance", "refuser.proxy_handler_instance"]
+        },
     }
+    shutil.copy(Path(__file__).with_name("refuser.py"), proxy.workdir)
     hook_settings = {
         "apiUrl": f"http://127.0.0.1:{ports.api}",
         "timeoutSeconds": HOOK_DEADLINE_S,

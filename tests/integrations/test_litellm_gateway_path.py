@@ -460,3 +460,45 @@ def test_an_unknown_tenant_is_a_bad_request_in_one_log_line(
     logged = logged_since(proxy, log_before)
     assert len(logged) == 1 and "TENANT_NOT_FOUND" in logged[0], logged
     assert simulator.entries() == []
+
+
+@pytest.mark.parametrize("group", ["support", "contract-review"])
+def test_a_call_refused_after_its_admission_was_sent_is_released_in_full(
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter], group: str
+) -> None:
+    """Another callback of the proxy (``refuser``) refuses the call after our hook sent its admission: for
+    ``support`` while the admission is still in flight (the group routes while it is decided), for
+    ``contract-review`` once admitted (the group has deployments: it is admitted before routing)."""
+    simulator, counter = sim
+    metadata: dict[str, Any] = {"refuseAfterAdmission": True}
+    if group == "contract-review":
+        metadata["tokenbudget"] = {"evidence": [evidence("e1")]}
+
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        client(proxy).chat.completions.create(
+            model=group,
+            messages=[{"role": "user", "content": "Where is my order?"}],
+            max_tokens=20,
+            extra_body={"metadata": metadata},
+        )
+
+    assert refused.value.status_code == 403
+    wait_for(
+        lambda: Reservation.objects.filter(state=ReservationState.SETTLED).count() == 1,
+        timeout=HOOK_DEADLINE_S,
+        what="the release",
+    )
+    [row] = Reservation.objects.all()
+    assert (row.outcome, row.input_consumed, row.captured, row.remaining, row.concurrency_held) == (
+        "RELEASED",
+        0,
+        0,
+        0,
+        False,
+    )
+    assert row.failure_reason.startswith("never processed"), row.failure_reason
+    assert not any(in_flight().values())
+    assert all(
+        account.input_reserved == account.output_reserved == 0 for account in CapacityAccount.objects.all()
+    )
+    assert counter.seen == [] and simulator.entries() == []

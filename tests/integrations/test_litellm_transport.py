@@ -139,3 +139,51 @@ def test_a_refused_connection_is_retried_within_the_deadline() -> None:
     assert time.monotonic() - started < 3.0
     assert "ClientConnectorError" in str(unavailable.value)
     assert not unavailable.value.reached, "no connection was made: nothing reached our API"
+
+
+def test_sent_is_set_once_the_body_is_on_the_wire_before_the_answer(
+    hung: tuple[str, list[socket.socket]],
+) -> None:
+    url, accepted = hung
+    api = AsyncApi(url, "token", deadline_s=3.0)
+
+    async def send() -> bool:
+        sent = asyncio.Event()
+        call = asyncio.get_running_loop().create_task(
+            api.request("POST", "/api/v1/admissions", {"marker": "on-the-wire"}, sent=sent)
+        )
+        try:
+            await asyncio.wait_for(sent.wait(), 1.0)
+            return call.done()
+        finally:
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+            await api.aclose()
+
+    answered = asyncio.run(send())
+
+    assert not answered, "sent only once the call was over: the caller could not go on meanwhile"
+    for _ in range(50):  # the fixture's thread accepts what the kernel already took
+        if accepted:
+            break
+        time.sleep(0.05)
+    accepted[0].settimeout(1.0)
+    assert b'"marker":"on-the-wire"' in accepted[0].recv(65536)
+
+
+def test_sent_is_set_when_the_call_fails_without_a_connection() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    api = AsyncApi(f"http://127.0.0.1:{port}", "token", deadline_s=1.0, retry=RetryPolicy(attempts=1))
+    sent = asyncio.Event()
+
+    async def call() -> None:
+        try:
+            await api.request("POST", "/api/v1/admissions", {}, sent=sent)
+        finally:
+            await api.aclose()
+
+    with pytest.raises(ApiUnavailable):
+        asyncio.run(call())
+
+    assert sent.is_set(), "a caller waiting for the send would wait forever"
