@@ -390,23 +390,41 @@ class SlowFront:
         self.listener.close()
 
 
-@pytest.fixture
-def slow_api(
-    transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path, api_env: dict[str, str]
+@contextlib.contextmanager
+def behind_slow_front(
+    ports: Ports, tmp_path: Path, api_env: dict[str, str], delay_s: float
 ) -> Iterator[SlowFront]:
     """The ``api`` fixture's gunicorn on a port of its own, behind a front on our API's port that holds
-    the first connection a second past the hook's deadline."""
+    the first connection ``delay_s``."""
     apply_config(load_file(DEMO))
     server = Gunicorn(free_port(), tmp_path / "gunicorn.log", env=api_env)
     front = None
     try:
         server.start()
-        front = SlowFront(ports.api, server.port, HOOK_DEADLINE_S + 1)
+        front = SlowFront(ports.api, server.port, delay_s)
         yield front
     finally:
         if front is not None:
             front.close()
         server.stop()
+
+
+@pytest.fixture
+def slow_api(
+    transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path, api_env: dict[str, str]
+) -> Iterator[SlowFront]:
+    """Our API holding the first connection a second past the hook's deadline."""
+    with behind_slow_front(ports, tmp_path, api_env, HOOK_DEADLINE_S + 1) as front:
+        yield front
+
+
+@pytest.fixture
+def late_api(
+    transactional_db: None, redis_db: Any, ports: Ports, tmp_path: Path, api_env: dict[str, str]
+) -> Iterator[SlowFront]:
+    """Our API holding the first connection 3 s: within the hook's deadline, past the client's."""
+    with behind_slow_front(ports, tmp_path, api_env, 3.0) as front:
+        yield front
 
 
 def test_an_admission_the_hook_gave_up_on_is_withdrawn_not_left_held(
@@ -502,3 +520,37 @@ def test_a_call_refused_after_its_admission_was_sent_is_released_in_full(
         account.input_reserved == account.output_reserved == 0 for account in CapacityAccount.objects.all()
     )
     assert counter.seen == [] and simulator.entries() == []
+
+
+def test_a_client_gone_while_its_admission_is_in_flight_leaves_nothing_held(
+    proxy: LiteLLMProxy, late_api: SlowFront, sim: tuple[Simulator, RecordingCounter]
+) -> None:
+    """The client gives up after 1 s; our API answers the admission at 3 s. Whether the proxy then drops the
+    call (the admission is released when it arrives) or still makes it (it is settled at the billed usage),
+    nothing stays held."""
+    simulator, counter = sim
+    impatient = openai.OpenAI(
+        base_url=f"{proxy.url}/v1", api_key=proxy.master_key, max_retries=0, timeout=1.0
+    )
+
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(
+            model="support", messages=[{"role": "user", "content": "Where is my order?"}], max_tokens=20
+        )
+
+    assert late_api.late_answered.wait(10), "the held admission reached our API"
+    wait_for(
+        lambda: Reservation.objects.filter(state=ReservationState.SETTLED).count() == 1,
+        timeout=HOOK_DEADLINE_S,
+        what="the settlement",
+    )
+    [row] = Reservation.objects.all()
+    if counter.seen:
+        assert row.outcome == "COMPLETED", (row.outcome, row.failure_reason)
+    else:
+        assert (row.outcome, row.input_consumed, row.captured) == ("RELEASED", 0, 0), row.failure_reason
+    assert not any(in_flight().values())
+    assert all(
+        account.input_reserved == account.output_reserved == 0 for account in CapacityAccount.objects.all()
+    )
+    assert_clean(simulator)
