@@ -222,6 +222,16 @@ class TokenBudgetHook(CustomLogger):
         if ticket is None:
             metadata, admission = self._admission_of(kwargs.get("metadata"), kwargs.get("litellm_metadata"))
             if admission is None:
+                if metadata:
+                    # The call's admission was taken by an earlier attempt: this is a second one.
+                    raise _refused(
+                        Refusal.of(
+                            409,
+                            "ALREADY_DISPATCHED",
+                            "a reservation covers one provider call; retries are off",
+                        ),
+                        str(metadata[_ADMISSION_KEY]),
+                    )
                 return None
             ticket = await self._admitted_call(kwargs, metadata, admission)
             if ticket is None:
@@ -300,8 +310,15 @@ class TokenBudgetHook(CustomLogger):
     ) -> None:
         params = kwargs.get("litellm_params") or {}
         ticket = _ticket(params.get("metadata"), params.get("litellm_metadata"))
+        if ticket is None:
+            # Answered without a provider call of ours (from LiteLLM's cache, say) while the admission was
+            # in flight: release what it grants.
+            _, admission = self._admission_of(params.get("metadata"), params.get("litellm_metadata"))
+            if admission is not None:
+                self._in_background(self._dropped(admission))
+            return
         state = self._take(ticket)
-        if ticket is None or state is None:
+        if state is None:
             return
         try:
             if kwargs.get("cache_hit"):
@@ -396,7 +413,7 @@ class TokenBudgetHook(CustomLogger):
 
     def _admission_of(self, *holders: Any) -> tuple[dict[str, Any], _Admission | None]:
         """The admission in flight for a call, taken (only one hook waits for it), and the metadata that
-        named it; ``({}, None)`` if none is."""
+        named it (``None`` for the admission if another hook took it); ``({}, None)`` if none did."""
         for metadata in holders:
             if isinstance(metadata, dict) and _ADMISSION_KEY in metadata:
                 return metadata, self._admissions.pop(metadata[_ADMISSION_KEY], None)
