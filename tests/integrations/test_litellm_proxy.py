@@ -174,9 +174,12 @@ def test_a_degraded_request_reaches_the_provider_as_the_admitted_payload(
     assert_clean(simulator)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 def test_an_over_quota_request_is_refused_429_at_the_client(
-    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter], stream: bool
 ) -> None:
+    """``support`` is admitted while LiteLLM routes it: the refusal comes from the deployment hook, and a
+    stream's too is an HTTP 429, not an error inside an opened stream."""
     simulator, counter = sim
     account = CapacityAccount.objects.get(scope=Scope.TENANT, tenant__slug="t-19")
     set_account_limits(
@@ -191,9 +194,14 @@ def test_an_over_quota_request_is_refused_429_at_the_client(
     )
 
     with pytest.raises(openai.RateLimitError) as refused:
-        client(proxy).chat.completions.create(
-            model="support", messages=[{"role": "user", "content": "Where is my order?"}], max_tokens=50
+        answer = client(proxy).chat.completions.create(
+            model="support",
+            messages=[{"role": "user", "content": "Where is my order?"}],
+            max_tokens=50,
+            stream=stream,
         )
+        if stream:
+            list(answer)
 
     assert refused.value.status_code == 429
     assert int(refused.value.response.headers["retry-after"]) >= 1
