@@ -7,6 +7,7 @@ it), on ports fixed for the module because the proxy's configuration names them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -91,11 +92,11 @@ def ports() -> Ports:
     return Ports(api=free_port(), sim=free_port())
 
 
-@pytest.fixture(scope="module")
-def proxy(
-    litellm_venv: Path, ports: Ports, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LiteLLMProxy]:
-    proxy = LiteLLMProxy(litellm_venv, tmp_path_factory.mktemp("litellm"), free_port())
+@contextlib.contextmanager
+def running_proxy(venv: Path, ports: Ports, workdir: Path, **settings: Any) -> Iterator[LiteLLMProxy]:
+    """A LiteLLM proxy serving ``MODEL_GROUPS`` (and ``contract-review-small``) from the simulator on
+    ``ports.sim``, its hook calling our API on ``ports.api``; ``settings`` are added to the hook's."""
+    proxy = LiteLLMProxy(venv, workdir, free_port())
 
     def backend(model: str) -> dict[str, str]:
         return {
@@ -119,6 +120,7 @@ def proxy(
         "apiUrl": f"http://127.0.0.1:{ports.api}",
         "timeoutSeconds": HOOK_DEADLINE_S,
         "modelGroups": MODEL_GROUPS,
+        **settings,
     }
     started = time.monotonic()
     try:
@@ -127,6 +129,14 @@ def proxy(
         yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(
+    litellm_venv: Path, ports: Ports, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiteLLMProxy]:
+    with running_proxy(litellm_venv, ports, tmp_path_factory.mktemp("litellm")) as proxy:
+        yield proxy
 
 
 @pytest.fixture
