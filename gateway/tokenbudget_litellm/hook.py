@@ -224,26 +224,14 @@ class TokenBudgetHook(CustomLogger):
             if admission is None:
                 if metadata:
                     # The call's admission was taken by an earlier attempt: this is a second one.
-                    raise _refused(
-                        Refusal.of(
-                            409,
-                            "ALREADY_DISPATCHED",
-                            "a reservation covers one provider call; retries are off",
-                        ),
-                        str(metadata[_ADMISSION_KEY]),
-                    )
+                    raise _already_dispatched(str(metadata[_ADMISSION_KEY]))
                 return None
             ticket = await self._admitted_call(kwargs, metadata, admission)
             if ticket is None:
                 return kwargs
         state = self._states.get(ticket.reservation_id)
         if state is None or state.sent:
-            raise _refused(
-                Refusal.of(
-                    409, "ALREADY_DISPATCHED", "a reservation covers one provider call; retries are off"
-                ),
-                ticket.reservation_id,
-            )
+            raise _already_dispatched(ticket.reservation_id)
         if not ticket.dispatched:
             try:
                 await self.calls.dispatch(ticket)
@@ -369,11 +357,7 @@ class TokenBudgetHook(CustomLogger):
         except Refusal as exc:
             raise _refused(exc, name) from exc
         except Exception as exc:
-            if not request.callers_key and may_have_reached_our_api(exc):
-                # Our API may still grant what we gave up on: release it rather than leave it held until
-                # its lease expires. (A caller's own requestId is the caller's to retry with; a request that
-                # never got a connection granted nothing.)
-                self._in_background(self._withdraw(request))
+            self._in_background(self._withdraw(request, exc))
             self._undecided(data, exc)
             return None
         if admitted.ticket is None:
@@ -426,8 +410,7 @@ class TokenBudgetHook(CustomLogger):
         except Refusal:
             return
         except Exception as exc:
-            if not admission.request.callers_key and may_have_reached_our_api(exc):
-                await self._withdraw(admission.request)
+            await self._withdraw(admission.request, exc)
             return
         if admitted.ticket is not None:
             await self._release(admitted.ticket, _CallState(), "the call was given up before it was sent")
@@ -517,7 +500,12 @@ class TokenBudgetHook(CustomLogger):
         except GatewayError as exc:
             logger.warning("cancel of reservation %s not posted: %s", ticket.reservation_id, exc)
 
-    async def _withdraw(self, request: AdmissionRequest) -> None:
+    async def _withdraw(self, request: AdmissionRequest, error: BaseException) -> None:
+        """Our API may still grant an admission given up on after ``error``: release it rather than leave
+        it held until its lease expires. Not when its key is the caller's own ``requestId`` (the caller's to
+        retry with), nor when no attempt got a connection (nothing reached our API)."""
+        if request.callers_key or not may_have_reached_our_api(error):
+            return
         try:
             withdrawn = await self.calls.withdraw(request)
         except Exception as exc:
@@ -609,6 +597,14 @@ def _http_error(refusal: Refusal) -> dict[str, Any]:
     }
     headers = {"Retry-After": refusal.retry_after} if refusal.retry_after else None
     return {"status_code": refusal.status, "detail": detail, "headers": headers}
+
+
+def _already_dispatched(subject: str) -> _Refused:
+    """A second attempt at a call whose reservation covered its one provider call."""
+    return _refused(
+        Refusal.of(409, "ALREADY_DISPATCHED", "a reservation covers one provider call; retries are off"),
+        subject,
+    )
 
 
 def _refused(refusal: Refusal, subject: str) -> _Refused:
