@@ -43,6 +43,20 @@ def bench_database_url() -> str:
     return urlunparse(parsed._replace(path=parsed.path.rstrip("/") + "_bench"))
 
 
+def prepared_django() -> str:
+    """A fresh bench database with the demo configuration, and Django set up on it in this process; returns
+    the database's URL."""
+    url = bench_database_url()
+    prepare(url)
+    os.environ["DATABASE_URL"] = url
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    return url
+
+
 def prepare(url: str) -> None:
     import psycopg
 
@@ -309,14 +323,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
-    url = bench_database_url()
-    prepare(url)
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
-    sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
+    url = prepared_django()
     from budgeting.catalog.models import Tenant
     from ledger.models import CapacityAccount, Reservation
     from ledger.selectors import audit

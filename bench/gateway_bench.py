@@ -61,7 +61,7 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from admission_bench import TOKEN, bench_database_url, free_port, prepare  # noqa: E402
+from admission_bench import TOKEN, free_port, prepared_django  # noqa: E402
 
 from tests.integrations.litellm_proxy import LiteLLMProxy, ensure_venv  # noqa: E402
 
@@ -262,13 +262,7 @@ def main() -> None:
     parser.add_argument("--server", choices=["gthread", "sync"], default="gthread")
     args = parser.parse_args()
 
-    url = bench_database_url()
-    prepare(url)
-    os.environ["DATABASE_URL"] = url
-    import django
-
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
-    django.setup()
+    url = prepared_django()
     # The project's logging prints every HTTP request the bench's client makes; only the figures matter here.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     from ledger import selectors

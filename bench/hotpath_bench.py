@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from admission_bench import TOKEN, bench_database_url, hot_shape, prepare  # noqa: E402
+from admission_bench import TOKEN, hot_shape, prepared_django  # noqa: E402
 from gateway_bench import MAX_TOKENS, admission_body, serve_api  # noqa: E402
 from lifecycle_bench import http_pairs  # noqa: E402
 
@@ -81,13 +80,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300, help="sequential calls per round and way")
     args = parser.parse_args()
 
-    url = bench_database_url()
-    prepare(url)
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
-    import django
-
-    django.setup()
+    url = prepared_django()
     hot_shape()  # the hot tenant's limits lifted: throughput is measured, not refusals
     servers = {
         (way, model): serve_api(url, model, settings)

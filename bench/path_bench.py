@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import admission_bench
-from admission_bench import CLIENTS, TOKEN, free_port, prepare, raw_baseline
+from admission_bench import CLIENTS, TOKEN, free_port, raw_baseline
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = [
@@ -301,14 +301,7 @@ def main() -> None:
     parser.add_argument("--server", choices=["sync", "gthread"], default="sync")
     parser.add_argument("--front", action="store_true", help="through the nginx front ./platform run starts")
     args = parser.parse_args()
-    url = admission_bench.bench_database_url()
-    prepare(url)
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "budgeting.settings")
-    sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
+    url = admission_bench.prepared_django()
     from ledger.selectors import audit
 
     account_ids, tenant_id, refs = admission_bench.hot_shape()  # limits lifted: throughput is measured
