@@ -145,8 +145,6 @@ class Api(Protocol):
         path: str,
         body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
-        *,
-        sent: asyncio.Event | None = None,
     ) -> Awaitable[ApiResponse]: ...
 
 
@@ -175,19 +173,17 @@ class Calls:
         self._monotonic = monotonic
         self._wall_clock = wall_clock
 
-    def admit(
-        self, request: AdmissionRequest, *, sent: asyncio.Event | None = None
-    ) -> Coroutine[Any, Any, Admitted]:
+    def admit(self, request: AdmissionRequest) -> Coroutine[Any, Any, Admitted]:
         """``POST /api/v1/admissions``, asked before this returns (on the wire at once when a kept-alive
-        connection is idle: ``AsyncApi.request``; ``sent`` is set once the first ask is); the coroutine
-        returned awaits the answer. A queued answer is asked again with the same key until admitted or
-        ``queue_wait_s`` has passed (then the queued reservation is cancelled and 429 ``QUEUED``).
+        connection is idle: ``AsyncApi.request``); the coroutine returned awaits the answer. A queued
+        answer is asked again with the same key until admitted or ``queue_wait_s`` has passed (then the
+        queued reservation is cancelled and 429 ``QUEUED``).
 
         Awaiting it raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation``
         otherwise.
         """
         provider_request_id = provider_request_id_of(request) if self._dispatch_at_admission else None
-        asked = self._post_admission(request, provider_request_id, sent)
+        asked = self._post_admission(request, provider_request_id)
         return self._admitted_after(request, provider_request_id, asked)
 
     async def _admitted_after(
@@ -295,7 +291,7 @@ class Calls:
         return self._lease_seconds(response.body)
 
     def _post_admission(
-        self, request: AdmissionRequest, provider_request_id: str | None, sent: asyncio.Event | None = None
+        self, request: AdmissionRequest, provider_request_id: str | None
     ) -> Coroutine[Any, Any, ApiResponse]:
         """The admission asked now; the coroutine returned awaits the answer."""
         headers = {"Idempotency-Key": request.idempotency_key}
@@ -304,7 +300,7 @@ class Calls:
         body = request.body
         if provider_request_id is not None:
             body = {**body, "dispatch": {"providerRequestId": provider_request_id}}
-        return _refused_as_such(self._api.request("POST", ADMISSIONS_PATH, body, headers, sent=sent))
+        return _refused_as_such(self._api.request("POST", ADMISSIONS_PATH, body, headers))
 
     def _admitted(self, response: ApiResponse, provider_request_id: str | None) -> Admitted:
         body = response.body if isinstance(response.body, dict) else {}

@@ -18,8 +18,7 @@ timeout.
 
 ``request`` writes the request before it returns when a kept-alive connection is idle, and returns the
 coroutine that awaits the answer: a caller may go on with its request on the wire and await the answer
-later (the hook lets LiteLLM route the call while its admission is decided). When none is idle, the request
-goes out once the coroutine has connected; ``sent`` tells a caller that wants to wait for that.
+later (the hook lets LiteLLM route the call while its admission is decided).
 
 Retries and what a status means are those of ``tokenbudget_gateway.transport`` (``RetryPolicy``,
 ``is_retryable_status``): a call is repeated unchanged, which is safe because every write is idempotent by
@@ -304,18 +303,15 @@ class AsyncApi:
         path: str,
         body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
-        *,
-        sent: asyncio.Event | None = None,
     ) -> Coroutine[Any, Any, ApiResponse]:
         """One call, retrying transient failures with the identical body, all within the deadline.
 
         The request is written at once, before this returns, when a kept-alive connection is idle: a
         caller that does not await the answer yet (the hook, while LiteLLM routes the call) goes on with
         its request already on the wire. Otherwise it is sent when the returned coroutine first runs (it
-        connects first). ``sent`` is set once the request is on the wire (before this returns, in the
-        first case), or when the call ends without that. Awaiting the coroutine raises
-        ``StaleFence``/``ApiError`` for an error answer, ``ApiUnavailable`` when the deadline passed or the
-        retries ran out (``reached`` false when no attempt got a connection).
+        connects first). Awaiting the coroutine raises ``StaleFence``/``ApiError`` for an error answer,
+        ``ApiUnavailable`` when the deadline passed or the retries ran out (``reached`` false when no
+        attempt got a connection).
         """
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         head = h11.Request(
@@ -335,10 +331,7 @@ class AsyncApi:
                 first = (connection, connection.exchange(head, data))
             except h11.ProtocolError:
                 connection.abandon()
-            else:
-                if sent is not None:
-                    sent.set()
-        return self._exchange(method, path, head, data, deadline, first, sent)
+        return self._exchange(method, path, head, data, deadline, first)
 
     async def _exchange(
         self,
@@ -348,23 +341,6 @@ class AsyncApi:
         data: bytes | None,
         deadline: float,
         first: tuple[_Connection, asyncio.Future[_Answer]] | None,
-        sent: asyncio.Event | None,
-    ) -> ApiResponse:
-        try:
-            return await self._attempts(method, path, head, data, deadline, first, sent)
-        finally:
-            if sent is not None:
-                sent.set()
-
-    async def _attempts(
-        self,
-        method: str,
-        path: str,
-        head: h11.Request,
-        data: bytes | None,
-        deadline: float,
-        first: tuple[_Connection, asyncio.Future[_Answer]] | None,
-        sent: asyncio.Event | None,
     ) -> ApiResponse:
         cause = "no attempt made"
         reached = False
@@ -387,8 +363,6 @@ class AsyncApi:
                     if connection is None or answer is None:
                         connection = self._connections().take_idle() or await self._connections().connect()
                         answer = connection.exchange(head, data)
-                        if sent is not None:
-                            sent.set()
                     got = await answer
             except TimeoutError:
                 if connection is not None:

@@ -169,9 +169,7 @@ def test_a_request_is_on_the_wire_before_request_returns_when_a_connection_is_id
         try:
             await api.request("POST", "/api/v1/warm-up", {})  # leaves one kept-alive connection idle
             _Answering.arrived.clear()
-            sent = asyncio.Event()
-            answer = api.request("POST", "/api/v1/admissions", {"marker": "on-the-wire"}, sent=sent)
-            assert sent.is_set()
+            answer = api.request("POST", "/api/v1/admissions", {"marker": "on-the-wire"})
             # The loop is blocked here on purpose: no turn of it can have written the request.
             arrived = _Answering.arrived.wait(2.0)
             return arrived, (await answer).body
@@ -185,47 +183,23 @@ def test_a_request_is_on_the_wire_before_request_returns_when_a_connection_is_id
     assert body == {"path": "/api/v1/admissions"}
 
 
-def test_without_an_idle_connection_the_request_is_sent_once_connected(answering: str) -> None:
+def test_without_an_idle_connection_the_request_is_sent_when_awaited(answering: str) -> None:
     """The negative control of the test above: a new client has no connection to write to at once."""
     api = AsyncApi(answering, "token", deadline_s=5)
 
-    async def send() -> tuple[bool, bool, bool, object]:
+    async def send() -> tuple[bool, object]:
         try:
             _Answering.arrived.clear()
-            sent = asyncio.Event()
-            answer = asyncio.get_running_loop().create_task(
-                api.request("POST", "/api/v1/admissions", {"marker": "later"}, sent=sent)
-            )
-            said_at_once = sent.is_set()
+            answer = api.request("POST", "/api/v1/admissions", {"marker": "later"})
             arrived = _Answering.arrived.wait(0.5)
-            await asyncio.wait_for(sent.wait(), 2.0)
-            return said_at_once, arrived, _Answering.arrived.wait(2.0), (await answer).body
+            return arrived, (await answer).body
         finally:
             await api.aclose()
 
-    said_at_once, arrived_at_once, arrived, body = asyncio.run(send())
+    arrived, body = asyncio.run(send())
 
-    assert not said_at_once and not arrived_at_once
-    assert arrived, "sent was set: the request is on the wire"
+    assert not arrived
     assert body == {"path": "/api/v1/admissions"}
-
-
-def test_sent_is_set_when_the_call_fails_without_a_connection() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as closed:
-        port = closed.getsockname()[1]
-    api = AsyncApi(f"http://127.0.0.1:{port}", "token", deadline_s=1.0, retry=RetryPolicy(attempts=1))
-    sent = asyncio.Event()
-
-    async def call() -> None:
-        try:
-            await api.request("POST", "/api/v1/admissions", {}, sent=sent)
-        finally:
-            await api.aclose()
-
-    with pytest.raises(ApiUnavailable):
-        asyncio.run(call())
-
-    assert sent.is_set(), "a caller waiting for the send would wait forever"
 
 
 def test_a_connection_the_server_closed_while_idle_is_not_used_again(answering: str) -> None:
