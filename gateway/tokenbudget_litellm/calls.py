@@ -19,7 +19,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
@@ -136,16 +136,17 @@ class Admitted:
 
 
 class Api(Protocol):
-    """What ``Calls`` needs of our API: ``tokenbudget_litellm.transport.AsyncApi``, whose ``request``
-    writes the request before it returns when it can, and returns what awaits the answer."""
+    """What ``Calls`` needs of our API: ``tokenbudget_litellm.transport.AsyncApi``."""
 
-    def request(
+    async def request(
         self,
         method: str,
         path: str,
         body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
-    ) -> Awaitable[ApiResponse]: ...
+        *,
+        sent: asyncio.Event | None = None,
+    ) -> ApiResponse: ...
 
 
 class Calls:
@@ -173,27 +174,19 @@ class Calls:
         self._monotonic = monotonic
         self._wall_clock = wall_clock
 
-    def admit(self, request: AdmissionRequest) -> Coroutine[Any, Any, Admitted]:
-        """``POST /api/v1/admissions``, asked before this returns (on the wire at once when a kept-alive
-        connection is idle: ``AsyncApi.request``); the coroutine returned awaits the answer. A queued
-        answer is asked again with the same key until admitted or ``queue_wait_s`` has passed (then the
-        queued reservation is cancelled and 429 ``QUEUED``).
+    async def admit(self, request: AdmissionRequest, *, sent: asyncio.Event | None = None) -> Admitted:
+        """``POST /api/v1/admissions``; a queued answer is asked again with the same key until admitted
+        or ``queue_wait_s`` has passed (then the queued reservation is cancelled and 429 ``QUEUED``).
+        ``sent`` is set once the first ask is on the wire (``AsyncApi.request``).
 
-        Awaiting it raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation``
-        otherwise.
+        Raises ``Refusal`` for our API's rejections, ``ApiUnavailable``/``ProtocolViolation`` otherwise.
         """
         provider_request_id = provider_request_id_of(request) if self._dispatch_at_admission else None
-        asked = self._post_admission(request, provider_request_id)
-        return self._admitted_after(request, provider_request_id, asked)
-
-    async def _admitted_after(
-        self, request: AdmissionRequest, provider_request_id: str | None, asked: Awaitable[ApiResponse]
-    ) -> Admitted:
         deadline = self._monotonic() + self._queue_wait_s
         queued = False
         while True:
             try:
-                response = await asked
+                response = await self._post_admission(request, provider_request_id, sent)
             except ApiUnavailable as exc:
                 if queued and not exc.reached:
                     # An earlier answer queued the admission: our API holds it, whatever this attempt proves.
@@ -213,7 +206,6 @@ class Calls:
                     response.headers.get("retry-after"),
                 )
             await self._sleep(min(retry_after, left))
-            asked = self._post_admission(request, provider_request_id)
 
     async def withdraw(self, request: AdmissionRequest) -> str | None:
         """Release an admission this hook gave up waiting for: our API may have granted it all the same.
@@ -290,17 +282,22 @@ class Calls:
         response = await self._post(ticket, "lease", {})
         return self._lease_seconds(response.body)
 
-    def _post_admission(
-        self, request: AdmissionRequest, provider_request_id: str | None
-    ) -> Coroutine[Any, Any, ApiResponse]:
-        """The admission asked now; the coroutine returned awaits the answer."""
+    async def _post_admission(
+        self, request: AdmissionRequest, provider_request_id: str | None, sent: asyncio.Event | None = None
+    ) -> ApiResponse:
         headers = {"Idempotency-Key": request.idempotency_key}
         if request.traceparent:
             headers["traceparent"] = request.traceparent
         body = request.body
         if provider_request_id is not None:
             body = {**body, "dispatch": {"providerRequestId": provider_request_id}}
-        return _refused_as_such(self._api.request("POST", ADMISSIONS_PATH, body, headers))
+        try:
+            return await self._api.request("POST", ADMISSIONS_PATH, body, headers, sent=sent)
+        except ApiError as exc:
+            # Our 5xx are outages as far as the proxy's client is concerned: retry later. A 404 is a
+            # tenant, task class or pool this API does not know: the request, not a missing route.
+            status = 503 if exc.status >= 500 else 400 if exc.status == 404 else exc.status
+            raise Refusal(status, exc.problem or {"code": "ADMISSION_FAILED"}, exc.retry_after) from exc
 
     def _admitted(self, response: ApiResponse, provider_request_id: str | None) -> Admitted:
         body = response.body if isinstance(response.body, dict) else {}
@@ -353,17 +350,6 @@ class Calls:
     async def _post(self, ticket: Ticket, action: str, body: Mapping[str, Any]) -> ApiResponse:
         path = f"/api/v1/reservations/{quote(ticket.reservation_id, safe='')}/{action}"
         return await self._api.request("POST", path, {"fence": ticket.fence, **body})
-
-
-async def _refused_as_such(answer: Awaitable[ApiResponse]) -> ApiResponse:
-    """An admission's answer; our API's refusal raised as the ``Refusal`` the proxy's client gets."""
-    try:
-        return await answer
-    except ApiError as exc:
-        # Our 5xx are outages as far as the proxy's client is concerned: retry later. A 404 is a
-        # tenant, task class or pool this API does not know: the request, not a missing route.
-        status = 503 if exc.status >= 500 else 400 if exc.status == 404 else exc.status
-        raise Refusal(status, exc.problem or {"code": "ADMISSION_FAILED"}, exc.retry_after) from exc
 
 
 def may_have_reached_our_api(error: BaseException) -> bool:

@@ -12,11 +12,10 @@ Every call to our API is a coroutine on the proxy's event loop over kept-alive c
   records the dispatch under a provider request id the hook chose (``dispatchAtAdmission``), so it is the
   one call to us before the provider call. Router retries and fallbacks are turned off (a reservation
   covers one provider call). For a group whose admission cannot change where the call goes (no
-  ``deployments``) the hook returns with the admission on the wire (written to a kept-alive connection
-  before it returns: ``transport``), and LiteLLM routes the call (a millisecond or two of the proxy's own
-  work) while our API decides; the admission is awaited in the next hook. For a group with
-  ``deployments`` the call is routed only once admitted, to the proxy model that serves the admitted
-  model revision (a fallback rung's smaller model has its own deployment).
+  ``deployments``) the hook returns as soon as the admission is on the wire, and LiteLLM routes the call
+  (a millisecond or two of the proxy's own work) while our API decides; the admission is awaited in the
+  next hook. For a group with ``deployments`` the call is routed only once admitted, to the proxy model
+  that serves the admitted model revision (a fallback rung's smaller model has its own deployment).
 - ``async_pre_call_deployment_hook``: right before the provider call, the call is admitted (the admission
   awaited where it was left in flight). It then carries the admitted payload, asks a stream for its usage
   (``stream_options.include_usage``) and carries, in its metadata under ``tokenbudget_ticket``, the
@@ -205,7 +204,13 @@ class TokenBudgetHook(CustomLogger):
             if ticket is not None:
                 data["model"] = group.deployment_for(name, ticket.model_revision)
             return data
-        admission = _Admission(self.calls.admit(request), name, group, request)
+        sent = asyncio.Event()
+        admission = _Admission(self.calls.admit(request, sent=sent), name, group, request)
+        try:
+            await sent.wait()
+        except asyncio.CancelledError:
+            self._in_background(self._dropped(admission))
+            raise
         metadata[_ADMISSION_KEY] = key = uuid.uuid4().hex
         self._admissions[key] = admission
         return data

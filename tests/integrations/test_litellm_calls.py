@@ -67,6 +67,8 @@ class ScriptedApi:
         path: str,
         body: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        *,
+        sent: asyncio.Event | None = None,
     ) -> ApiResponse:
         self.sent.append(Sent(method, path, body, headers))
         answer = self.answers.pop(0) if self.answers else ApiResponse(200, {}, {})

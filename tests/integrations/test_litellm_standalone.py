@@ -1,6 +1,5 @@
 """The LiteLLM integration needs no Django: all of ``tokenbudget_litellm`` but the hook and its transport
-imports with the standard library only, and what those miss there is LiteLLM's (FastAPI, and h11, which
-LiteLLM has through httpx)."""
+imports with the standard library only, and what those miss there is LiteLLM's (FastAPI, aiohttp)."""
 
 from __future__ import annotations
 
@@ -36,6 +35,6 @@ def test_only_the_hook_needs_more_than_the_standard_library() -> None:
 
     assert result.returncode == 0, result.stderr
     transport, hook = result.stdout.split()
-    assert transport == "h11" and hook in {"fastapi", "litellm", "h11"}
+    assert transport == "aiohttp" and hook in {"fastapi", "litellm", "aiohttp"}
     modules = {path.stem for path in (GATEWAY / "tokenbudget_litellm").glob("[!_]*.py")}
     assert modules == {"settings", "mapping", "calls", "transport", "hook"}, "a new module: add it above"
