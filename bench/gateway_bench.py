@@ -230,9 +230,22 @@ def serve_api(
     raise SystemExit("gunicorn did not start")
 
 
-def start_proxy(venv: Path, workdir: Path, sim: str, api: str, gateway: Path | None) -> LiteLLMProxy:
-    """A proxy routing ``support`` to the simulator; with our hook from ``gateway`` unless it is None."""
-    proxy = LiteLLMProxy(venv, workdir, free_port(), gateway=gateway or ROOT / "gateway")
+def start_proxy(
+    venv: Path,
+    workdir: Path,
+    sim: str,
+    api: str,
+    gateway: Path | None,
+    *,
+    around: tuple[str, str] | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> LiteLLMProxy:
+    """A proxy routing ``support`` to the simulator; with our hook from ``gateway`` unless it is None,
+    between the callbacks ``around`` names (before it, after it) if given; ``extra_env`` is added to the
+    proxy's environment."""
+    proxy = LiteLLMProxy(
+        venv, workdir, free_port(), gateway=gateway or ROOT / "gateway", extra_env=extra_env or {}
+    )
     workdir.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
         "model_list": [
@@ -246,8 +259,11 @@ def start_proxy(venv: Path, workdir: Path, sim: str, api: str, gateway: Path | N
             }
         ]
     }
-    if gateway is not None:
-        config["litellm_settings"] = {"callbacks": "tokenbudget_litellm.hook.proxy_handler_instance"}
+    callbacks = [] if gateway is None else ["tokenbudget_litellm.hook.proxy_handler_instance"]
+    if around is not None:
+        callbacks = [around[0], *callbacks, around[1]]
+    if callbacks:
+        config["litellm_settings"] = {"callbacks": callbacks}
     proxy.start(config, {"apiUrl": api, "modelGroups": {"support": GROUP}}, TOKEN)
     return proxy
 

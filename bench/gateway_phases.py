@@ -1,0 +1,151 @@
+"""Where a call's time goes through the LiteLLM proxy, with the hook and without, phase by phase.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \\
+        .venv/bin/python bench/gateway_phases.py [--calls 200] [--rounds 4]
+
+``gateway_bench.py`` gives what the hook adds to a call; this splits it. It starts what that bench starts
+(our API under gunicorn gthread on its own database, the provider simulator, real LiteLLM 1.110.2 proxies)
+for two arms: ``bare`` (no hook) and ``hook`` (``tokenbudget_litellm`` of this checkout). In both, the
+stamping callbacks of ``bench/phase_stamps.py`` are loaded first and last, around the hook: the moments
+LiteLLM calls the pre-call hooks and the deployment hooks (right before the provider call), stamped on the
+machine's monotonic clock, as is the client's sending and receiving of each call. One client sends the same
+non-streaming chat completion to each arm in turn (``--calls`` per arm, ``--rounds`` rounds). It prints the
+median of each phase in each arm:
+  - before the pre-call hooks: LiteLLM's own work on the request (with the hook, the previous call's
+    settlement shares the proxy's loop);
+  - the hook's pre-call hook (``pre-first`` to ``pre-last``): mapping the request and sending its admission;
+  - routing (``pre-last`` to ``deploy-first``): LiteLLM's, while the admission is in flight;
+  - the hook's deployment hook (``deploy-first`` to ``deploy-last``): waiting for the admission, then
+    applying it;
+  - the provider call and the answer (``deploy-last`` to the client's receipt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx2
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from admission_bench import free_port, prepared_django  # noqa: E402
+from gateway_bench import REQUEST, serve_api, start_proxy  # noqa: E402
+
+from tests.integrations.litellm_proxy import ensure_venv  # noqa: E402
+
+PHASES = (
+    ("before the pre-call hooks", "sent", "pre-first"),
+    ("the hook's pre-call hook", "pre-first", "pre-last"),
+    ("routing", "pre-last", "deploy-first"),
+    ("the hook's deployment hook", "deploy-first", "deploy-last"),
+    ("provider call and answer", "deploy-last", "received"),
+    ("the whole call", "sent", "received"),
+)
+
+
+def phases(stamps: Path, calls: dict[str, list[tuple[int, int]]]) -> dict[str, dict[str, list[float]]]:
+    """Each arm's phase durations (ms), the proxy's stamps matched to the client's calls by time (the
+    client sends one call at a time)."""
+    by_call: dict[str, dict[str, int]] = defaultdict(dict)
+    for line in stamps.read_text().splitlines():
+        number, phase, ns = line.split()
+        by_call[number][phase] = int(ns)
+    starts = sorted((marks["pre-first"], marks) for marks in by_call.values() if "pre-first" in marks)
+    keys = [start for start, _ in starts]
+    found: dict[str, dict[str, list[float]]] = {}
+    for arm, spans in calls.items():
+        durations: dict[str, list[float]] = defaultdict(list)
+        for sent, received in spans:
+            at = bisect.bisect_left(keys, sent)
+            if at == len(keys) or keys[at] > received:
+                continue
+            marks = {**starts[at][1], "sent": sent, "received": received}
+            for name, start, end in PHASES:
+                if start in marks and end in marks:
+                    durations[name].append((marks[end] - marks[start]) / 1e6)
+        found[arm] = durations
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=200, help="calls per arm per round")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+
+    url = prepared_django()
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    from simulation.provider import Simulator
+
+    venv, _ = ensure_venv()
+    api_process, api = serve_api(url, "gthread")
+    simulator = Simulator(seed=3)
+    sim = simulator.start(port=free_port()) + "/v1"
+    calls: dict[str, list[tuple[int, int]]] = {"bare": [], "hook": []}
+    with tempfile.TemporaryDirectory(prefix="gateway-phases-") as tmp:
+        stamps = Path(tmp) / "stamps.txt"
+        stamps.touch()
+        env = {
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "gateway"), str(ROOT / "bench")]),
+            "PHASE_STAMPS": str(stamps),
+        }
+        around = ("phase_stamps.first", "phase_stamps.last")
+        proxies = {
+            "bare": start_proxy(venv, Path(tmp) / "bare", sim, api, None, around=around, extra_env=env),
+            "hook": start_proxy(
+                venv, Path(tmp) / "hook", sim, api, ROOT / "gateway", around=around, extra_env=env
+            ),
+        }
+        clients: dict[str, httpx2.Client] = {}
+        try:
+            for arm, proxy in proxies.items():
+                clients[arm] = httpx2.Client(
+                    base_url=proxy.url, headers={"Authorization": f"Bearer {proxy.master_key}"}, timeout=60
+                )
+                for _ in range(20):  # warm-up, not counted
+                    clients[arm].post("/v1/chat/completions", json=REQUEST)
+            for round_ in range(args.rounds):
+                for arm in ("bare", "hook") if round_ % 2 == 0 else ("hook", "bare"):
+                    for _ in range(args.calls):
+                        sent = time.perf_counter_ns()
+                        answer = clients[arm].post("/v1/chat/completions", json=REQUEST)
+                        received = time.perf_counter_ns()
+                        if answer.status_code != 200:
+                            raise SystemExit(f"{arm}: HTTP {answer.status_code}: {answer.text[:500]}")
+                        calls[arm].append((sent, received))
+            found = phases(stamps, calls)
+        finally:
+            for client in clients.values():
+                client.close()
+            for proxy in proxies.values():
+                proxy.stop()
+            simulator.stop()
+            api_process.terminate()
+            api_process.wait(20)
+
+    print(
+        f"LiteLLM 1.110.2 proxy, 1 worker; our API: gunicorn gthread, 2 workers; one client, {args.rounds} "
+        f"rounds × {args.calls} non-streaming calls per arm, alternated; medians, ms"
+    )
+    print(f"{'phase':<30} {'bare':>8} {'hook':>8} {'hook-bare':>10}")
+    for name, _, _ in PHASES:
+        bare, hook = found["bare"].get(name), found["hook"].get(name)
+        bare_ms = statistics.median(bare) if bare else 0.0
+        hook_ms = statistics.median(hook) if hook else 0.0
+        print(f"{name:<30} {bare_ms:8.2f} {hook_ms:8.2f} {hook_ms - bare_ms:+10.2f}")
+    matched = {arm: len(found[arm].get("the whole call", [])) for arm in found}
+    print(f"calls matched to the proxy's stamps: {matched} of {args.rounds * args.calls} each")
+
+
+if __name__ == "__main__":
+    main()
