@@ -301,9 +301,7 @@ class TokenBudgetHook(CustomLogger):
         if ticket is None:
             # Answered without a provider call of ours (from LiteLLM's cache, say) while the admission was
             # in flight: release what it grants.
-            _, admission = self._admission_of(params.get("metadata"), params.get("litellm_metadata"))
-            if admission is not None:
-                self._in_background(self._dropped(admission))
+            self._drop_in_flight(params.get("metadata"), params.get("litellm_metadata"))
             return
         state = self._take(ticket)
         if state is None:
@@ -403,6 +401,13 @@ class TokenBudgetHook(CustomLogger):
                 return metadata, self._admissions.pop(metadata[_ADMISSION_KEY], None)
         return {}, None
 
+    def _drop_in_flight(self, *holders: Any) -> None:
+        """The call ended without reaching the provider: the admission it left in flight, if any, has what
+        it grants released when it arrives."""
+        _, admission = self._admission_of(*holders)
+        if admission is not None:
+            self._in_background(self._dropped(admission))
+
     async def _dropped(self, admission: _Admission) -> None:
         """A call given up before it was sent, its admission still in flight: release what it grants."""
         try:
@@ -457,9 +462,7 @@ class TokenBudgetHook(CustomLogger):
         failed while LiteLLM routed it) is released when it arrives."""
         ticket = _ticket(*metadata)
         if ticket is None:
-            _, admission = self._admission_of(*metadata)
-            if admission is not None:
-                self._in_background(self._dropped(admission))
+            self._drop_in_flight(*metadata)
             return
         state = self._take(ticket)
         if state is None:
