@@ -28,7 +28,10 @@ prints the client-seen p50/p95 and LiteLLM's own ``x-litellm-overhead-duration-m
 responses); the hook-added latency is the hook arm's p50 (p95) minus the bare arm's, and the ratio is the
 hook-added p50 over LiteLLM's own overhead p50 in the bare arm (goal: ≤ 0.5); the same difference of the
 overhead header's p50s is printed beside it (it leaves the simulator's time out; it includes the pre-call
-hook). The audit of our ledger must be clean at the end and every call settled.
+hook). It also prints the CPU time each arm's calls cost, per call, by the processes that spent it (the
+arm's proxy, the API its hook calls, PostgreSQL, this process: from /proc, so on Linux), and what the hook
+adds to the bare proxy's: the latency of a call on a machine whose cores all these processes share follows
+it. The audit of our ledger must be clean at the end and every call settled.
 
 ``--server`` serves our API with gunicorn's threaded workers (the default: they keep connections alive, so the
 hook's kept-alive connection is used) or sync workers as ``./platform run`` starts them today (one connection
@@ -82,14 +85,32 @@ REQUEST = {
     "max_tokens": MAX_TOKENS,
 }
 
+# What the CPU time is split by: the arm's proxy, the API its hook calls, PostgreSQL (every server process:
+# the backends of our API and the rest), and this process (the client and the provider simulator).
+CPU_GROUPS = ("proxy", "our API", "PostgreSQL", "client + simulator")
+
 
 @dataclass
 class Arm:
     name: str
     proxy: LiteLLMProxy
+    api_pid: int | None = None
+    """The root process of the API this arm's hook calls (None: no hook)."""
     client: httpx2.Client | None = None
     latencies_ms: list[float] = field(default_factory=list)
     overhead_ms: list[float] = field(default_factory=list)
+    cpu_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CPU_GROUPS, 0.0))
+    """CPU time (user + system) each group of processes spent while this arm's calls ran."""
+
+    def block(self, calls: int) -> None:
+        """``calls`` calls, the CPU time every group of processes spent meanwhile added to ``cpu_ms``."""
+        assert self.proxy.process is not None
+        roots = {"proxy": [self.proxy.process.pid], "our API": [self.api_pid] if self.api_pid else []}
+        before = _cpu_by_group(roots)
+        for _ in range(calls):
+            self.call()
+        for group, spent in _cpu_by_group(roots).items():
+            self.cpu_ms[group] += sum(ms - before[group].get(pid, 0.0) for pid, ms in spent.items())
 
     def call(self) -> None:
         assert self.client is not None
@@ -131,6 +152,10 @@ class InstantApi:
         if self._process is not None:
             self._process.terminate()
             self._process.join(10)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
 
 
 def _serve_instant_api(grant: dict[str, Any], port: int) -> None:
@@ -203,6 +228,44 @@ def _post_json(api: str, path: str, body: dict[str, Any], headers: dict[str, str
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _processes() -> dict[int, tuple[int, str, float]]:
+    """Every process of this machine: its parent, its name and the CPU time it has used (ms), from /proc."""
+    found: dict[int, tuple[int, str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(") ")
+        fields = rest.split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+        found[int(entry.name)] = (int(fields[1]), name, ticks * 1000 / _TICKS_PER_S)
+    return found
+
+
+def _cpu_by_group(roots: dict[str, list[int]]) -> dict[str, dict[int, float]]:
+    """Each group's processes and the CPU time each has used (ms): the process trees under ``roots``, the
+    PostgreSQL server's processes, and this one."""
+    processes = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _, _) in processes.items():
+        children.setdefault(parent, []).append(pid)
+
+    def tree(pids: list[int]) -> list[int]:
+        found = [pid for pid in pids if pid in processes]
+        return found + tree([child for pid in found for child in children.get(pid, [])]) if found else []
+
+    members = {group: tree(pids) for group, pids in roots.items()}
+    members["PostgreSQL"] = [pid for pid, (_, name, _) in processes.items() if name.startswith("postgres")]
+    members["client + simulator"] = [os.getpid()]
+    return {group: {pid: processes[pid][2] for pid in pids} for group, pids in members.items()}
 
 
 def serve_api(
@@ -296,16 +359,26 @@ def main() -> None:
         try:
             instant.start(free_port())
             arms.append(Arm("bare", start_proxy(venv, Path(tmp) / "bare", sim, api, None)))
-            arms.append(Arm("hook", start_proxy(venv, Path(tmp) / "hook", sim, api, ROOT / "gateway")))
+            hooked = start_proxy(venv, Path(tmp) / "hook", sim, api, ROOT / "gateway")
+            arms.append(Arm("hook", hooked, api_process.pid))
             arms.append(
-                Arm("stub", start_proxy(venv, Path(tmp) / "stub", sim, instant.url, ROOT / "gateway"))
+                Arm(
+                    "stub",
+                    start_proxy(venv, Path(tmp) / "stub", sim, instant.url, ROOT / "gateway"),
+                    instant.pid,
+                )
             )
             arms.append(
-                Arm("views", start_proxy(venv, Path(tmp) / "views", sim, views_api, ROOT / "gateway"))
+                Arm(
+                    "views",
+                    start_proxy(venv, Path(tmp) / "views", sim, views_api, ROOT / "gateway"),
+                    views_process.pid,
+                )
             )
             arms.append(Arm("bare-2", start_proxy(venv, Path(tmp) / "bare-2", sim, api, None)))
             if args.before is not None:
-                arms.append(Arm("before", start_proxy(venv, Path(tmp) / "before", sim, api, args.before)))
+                before = start_proxy(venv, Path(tmp) / "before", sim, api, args.before)
+                arms.append(Arm("before", before, api_process.pid))
             for arm in arms:
                 arm.client = httpx2.Client(
                     base_url=arm.proxy.url,
@@ -320,8 +393,7 @@ def main() -> None:
                 # Each round starts one arm further on, so no arm always follows the same one.
                 shift = round_ % len(arms)
                 for arm in arms[shift:] + arms[:shift]:
-                    for _ in range(args.calls):
-                        arm.call()
+                    arm.block(args.calls)
             time.sleep(3)  # the success hooks settle after the answer
             unsettled = Reservation.objects.exclude(state=State.SETTLED).count()
             audit = selectors.audit()
@@ -384,12 +456,35 @@ def main() -> None:
     saved = percentile(views.latencies_ms, 0.5) - percentile(hook.latencies_ms, 0.5)
     print(f"the hot path saves {saved:+.1f} ms p50 a call (the views arm's p50 less the hook arm's)")
     results["hotPathSavesP50Ms"] = round(saved, 2)
+    results["cpuMsPerCall"] = print_cpu(arms)
     problems = "" if audit.ok else f": {audit.violations[:3]} {audit.leaks[:3]}"
     print(
         f"reservations not settled: {unsettled}; audit {'clean' if audit.ok else 'NOT clean'} "
         f"({audit.reservations_checked} reservations){problems}"
     )
     print(json.dumps(results))
+
+
+def print_cpu(arms: list[Arm]) -> dict[str, dict[str, float]]:
+    """Print (and return) each arm's CPU time per call by group of processes, and what the hook adds to the
+    bare proxy's. The machine's cores are shared by all of these processes, so what a call waits for follows
+    the CPU time they spend on it: this says where the hook-added latency comes from."""
+    per_call = {
+        arm.name: {group: ms / max(1, len(arm.latencies_ms)) for group, ms in arm.cpu_ms.items()}
+        for arm in arms
+    }
+    print("CPU time per call, ms (user + system, from /proc), by the processes that spent it:")
+    print(f"{'arm':<8} " + " ".join(f"{group:>18}" for group in CPU_GROUPS) + f" {'all':>8}")
+    for name, groups in per_call.items():
+        spent = " ".join(f"{groups[group]:18.2f}" for group in CPU_GROUPS)
+        print(f"{name:<8} {spent} {sum(groups.values()):8.2f}")
+    bare = per_call[arms[0].name]
+    for name in ("hook", "stub", "before"):
+        if name in per_call:
+            added = {group: per_call[name][group] - bare[group] for group in CPU_GROUPS}
+            spread = ", ".join(f"{group} {ms:+.2f}" for group, ms in added.items())
+            print(f"{name}: CPU added per call {sum(added.values()):+.2f} ms ({spread})")
+    return {name: {group: round(ms, 3) for group, ms in groups.items()} for name, groups in per_call.items()}
 
 
 if __name__ == "__main__":
