@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from budgeting.catalog.models import ModelPool
+from budgeting.catalog.models import CatalogVersion, ModelPool
 from budgeting.db.rows import fetch_rows
 from ledger.models import CapacityAccount, Hold, Reservation
 
@@ -32,7 +32,8 @@ def lock_reservation(
     back) was most of a lifecycle call's time for a large admission.
     """
     # One statement, its text built once: the held accounts (every write that follows moves their
-    # balances), the database clock and the pool's provider adapter and endpoint (what a dispatch records)
+    # balances), the database clock, the catalog version (an unchecked caller's check:
+    # ``Caller.checked_version``) and the pool's provider adapter and endpoint (what a dispatch records)
     # come with the row. Its other columns but the stored documents are the model's fields.
     params: list[Any] = [reservation_id] if tenant_ids is None else [reservation_id, list(tenant_ids)]
     found = fetch_rows(Reservation, _lock_sql(tenant_ids is not None, locked=True), params)
@@ -61,7 +62,8 @@ def _lock_sql(scoped: bool, *, locked: bool) -> str:
         f" ARRAY(SELECT h.account_id FROM {Hold._meta.db_table} h WHERE h.reservation_id = r.id"
         "  ORDER BY h.account_id) AS held_account_ids,"
         " clock_timestamp() AS db_now, p.adapter AS pool_adapter, p.provider_base_url AS pool_endpoint,"
-        " r.xmin::text AS row_version"
+        f" r.xmin::text AS row_version, (SELECT v.version FROM {CatalogVersion._meta.db_table} v"
+        "  WHERE v.id = 1) AS catalog_version"
         f" FROM {Reservation._meta.db_table} r JOIN {ModelPool._meta.db_table} p ON p.id = r.model_pool_id"
         f" WHERE r.id = %s{tenants}{' FOR UPDATE OF r' if locked else ''}"
     )

@@ -35,9 +35,17 @@ class ServiceTokenAuthentication(BaseAuthentication):
         return 'Bearer realm="api"'
 
 
-def caller_for_token(raw: str) -> Caller | None:
+def caller_for_token(raw: str, *, checked: bool = True) -> Caller | None:
     """The caller a bearer token stands for (None: unknown, revoked or expired), with the catalog snapshot and
     the database clock: one statement, the catalog version check, when the catalog has not changed since this
-    process last read it."""
+    process last read it. Unchecked (``checked=False``, for a call whose first statement compares the catalog
+    version: ``Caller.checked_version``): no statement, from the snapshot this process last found current,
+    when it has one whose token is not about to expire; else as checked."""
+    token_hash = hash_token(raw)
+    if not checked:
+        found = snapshot.unchecked()
+        caller = None if found is None else found[0].caller(token_hash, found[1], checked=False)
+        if caller is not None:
+            return caller
     catalog, db_now = snapshot.current()
-    return catalog.caller(hash_token(raw), db_now)
+    return catalog.caller(token_hash, db_now)

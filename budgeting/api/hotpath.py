@@ -40,6 +40,7 @@ from budgeting.api.parsers import BadJSON, loads_strict, media_charset
 from budgeting.api.problems import exception_handler
 from budgeting.api.renderers import FastJSONRenderer
 from budgeting.api.serializers import AdmissionIn
+from budgeting.catalog.errors import CatalogUnchecked
 from budgeting.catalog.snapshot import Caller
 from budgeting.observability.logging import PARSED_BODY
 
@@ -61,15 +62,20 @@ class HotPathMiddleware:
         found = _plain_call(request)
         if found is None:
             return self.get_response(request)
-        view, token, call = found
+        view, token, call, checks_catalog = found
         try:
-            caller = caller_for_token(token)
+            caller = caller_for_token(token, checked=not checks_catalog)
             if caller is None:
                 return self.get_response(request)
-            # As DRF's authentication leaves them: the request log names the client from here.
-            request.user = caller.client  # type: ignore[assignment]
-            request.auth = caller  # type: ignore[attr-defined]
-            answer = call(caller)
+            try:
+                answer = _called(request, call, caller)
+            except CatalogUnchecked:
+                # The catalog moved since this process last read it (or the call found nothing to compare
+                # with): again, after the catalog read. Nothing was written.
+                caller = caller_for_token(token)
+                if caller is None:
+                    return self.get_response(request)
+                answer = _called(request, call, caller)
         except Exception as exc:
             # As the view's: DRF's exception handler (a domain problem, a dependency down), else a 500.
             problem = exception_handler(exc, {})
@@ -85,9 +91,17 @@ class HotPathMiddleware:
         return _rendered(response, view)
 
 
-def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str, Call] | None:
-    """The view a plainly well-formed hot request is for, its bearer token and the call to run given the
-    caller; None for any other request."""
+def _called(request: HttpRequest, call: Call, caller: Caller) -> operations.Answer:
+    # As DRF's authentication leaves them: the request log names the client from here.
+    request.user = caller.client  # type: ignore[assignment]
+    request.auth = caller  # type: ignore[attr-defined]
+    return call(caller)
+
+
+def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str, Call, bool] | None:
+    """The view a plainly well-formed hot request is for, its bearer token, the call to run given the caller
+    and whether that call checks an unchecked caller's catalog version itself (``LifecycleCall``); None for
+    any other request."""
     if request.method != "POST" or not request.path_info.startswith(_PREFIX):
         return None
     meta = request.META
@@ -107,16 +121,18 @@ def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str
     except Resolver404:
         return None
     view = getattr(match.func, "view_class", None)
+    checks_catalog = False
     if view is views.AdmissionView:
         call = _admission(request)
     elif isinstance(view, type) and issubclass(view, views.LifecycleView):
         call = _lifecycle(request, view.action, match.kwargs["reservation_id"])
+        checks_catalog = operations.LIFECYCLE[view.action].checks_catalog
     else:
         return None
     if call is None:
         return None
     request.resolver_match = match
-    return view, token, call
+    return view, token, call, checks_catalog
 
 
 def _body(request: HttpRequest) -> Any:

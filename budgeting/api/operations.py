@@ -62,6 +62,7 @@ def _dispatch(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
             provider_request_id=body["providerRequestId"],
             admitted_digest=body["admittedDigest"],
             now=timezone.now(),
+            catalog_version=caller.checked_version,
         )
     )
 
@@ -80,6 +81,7 @@ def _usage(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
         fence=body["fence"],
         usage=usage,
         now=timezone.now(),
+        catalog_version=caller.checked_version,
     )
     return _left(reservation, applied=applied)
 
@@ -92,6 +94,7 @@ def _top_up(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
         top_up_id=body["topUpId"],
         output_tokens=body["outputTokens"],
         now=timezone.now(),
+        catalog_version=caller.checked_version,
     )
     return _left(reservation, applied=applied)
 
@@ -99,7 +102,11 @@ def _top_up(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
 def _cancel(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
     return _left(
         lifecycle.cancel(
-            reservation_id=rid, tenant_ids=caller.tenant_ids, fence=body["fence"], now=timezone.now()
+            reservation_id=rid,
+            tenant_ids=caller.tenant_ids,
+            fence=body["fence"],
+            now=timezone.now(),
+            catalog_version=caller.checked_version,
         )
     )
 
@@ -123,6 +130,7 @@ def _fail(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
             request_sent=body["requestSent"],
             usage=usage,
             now=timezone.now(),
+            catalog_version=caller.checked_version,
         )
     )
 
@@ -148,14 +156,17 @@ class LifecycleCall:
 
     serializer: type[drf_serializers.Serializer]
     run: Callable[[Caller, uuid.UUID, dict[str, Any]], Answer]
+    checks_catalog: bool = False
+    """Its first statement (the reservation's read) compares an unchecked caller's catalog version
+    (``Caller.checked_version``) before anything is written: it may run with one."""
 
 
 LIFECYCLE: Mapping[str, LifecycleCall] = {
-    "dispatch": LifecycleCall(DispatchIn, _dispatch),
-    "usage": LifecycleCall(UsageIn, _usage),
-    "top-up": LifecycleCall(TopUpIn, _top_up),
-    "cancel": LifecycleCall(FenceIn, _cancel),
-    "fail": LifecycleCall(FailIn, _fail),
+    "dispatch": LifecycleCall(DispatchIn, _dispatch, checks_catalog=True),
+    "usage": LifecycleCall(UsageIn, _usage, checks_catalog=True),
+    "top-up": LifecycleCall(TopUpIn, _top_up, checks_catalog=True),
+    "cancel": LifecycleCall(FenceIn, _cancel, checks_catalog=True),
+    "fail": LifecycleCall(FailIn, _fail, checks_catalog=True),
     "lease": LifecycleCall(FenceIn, _lease),
     "outcome": LifecycleCall(OutcomeIn, _outcome),
 }

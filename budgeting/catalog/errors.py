@@ -67,3 +67,11 @@ class CapacityExhausted(DomainError):
 class InvalidChange(InvalidInput):
     code = "INVALID_CHANGE"
     title = "The change is not allowed"
+
+
+class CatalogUnchecked(Exception):
+    """A call made with an unchecked caller (``snapshot.unchecked()``) could not confirm the caller's catalog
+    version with its first statement, before writing anything: the version moved, nothing was found to compare
+    it with, or the statement failed (on a connection kept from an earlier request, say). The call must be
+    made again with the catalog read. Never an answer (not a DomainError): whoever made the caller unchecked
+    catches it."""

@@ -6,15 +6,21 @@ reads the version (bumped by database triggers in the same transaction as any ch
 database clock. When the version differs from the snapshot's, the snapshot is rebuilt before it is used, so an
 activation, a rollback, a revoked token or a provisioning apply is in force for the very next request, in
 every process.
+
+A lifecycle call of the gateway's reads the reservation first, and that read returns the catalog version too
+(``ledger.locks``): ``unchecked()`` gives it the snapshot without a statement of its own, as a caller whose
+``checked_version`` the read compares before anything is written (``CatalogUnchecked`` when the catalog moved:
+the call is then made again, after ``current()``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -62,6 +68,15 @@ class Caller:
     snapshot: Snapshot
     db_now: datetime
     """The database clock when the request was authenticated (leases are measured on it)."""
+    checked: bool = True
+    """False: the catalog version was not read for this request (``unchecked()``); its first statement must
+    compare ``snapshot.version`` before anything is written (``checked_version``)."""
+
+    @property
+    def checked_version(self) -> int | None:
+        """The catalog version a call's first read must find (``CatalogUnchecked`` otherwise), or None when
+        the version was read for this request already."""
+        return None if self.checked else self.snapshot.version
 
 
 @dataclass(frozen=True)
@@ -172,14 +187,17 @@ class Snapshot:
     """Per model revision id, its price versions by start (a new price bumps the catalog version)."""
     _resolved: dict[tuple[str, str, str], Resolved] = field(default_factory=dict)
 
-    def caller(self, token_hash: str, db_now: datetime) -> Caller | None:
+    def caller(self, token_hash: str, db_now: datetime, *, checked: bool = True) -> Caller | None:
         """The caller a token stands for, or None (unknown, revoked or expired at ``db_now``). An accepted
-        token's use is noted for its "last used" date (in Redis, never a database write)."""
+        token's use is noted for its "last used" date (in Redis, never a database write). Unchecked (the
+        version not read, ``db_now`` estimated), a token expiring within ``_UNCHECKED_EXPIRY_MARGIN`` is None
+        too: the caller checks it with the catalog read."""
         token = self.tokens.get(token_hash)
-        if token is None or (token.expires_at is not None and token.expires_at <= db_now):
+        margin = timedelta(0) if checked else _UNCHECKED_EXPIRY_MARGIN
+        if token is None or (token.expires_at is not None and token.expires_at <= db_now + margin):
             return None
         note_use(token.token_id, db_now)
-        return Caller(token.client, token.token_id, token.tenant_ids, self, db_now)
+        return Caller(token.client, token.token_id, token.tenant_ids, self, db_now, checked)
 
     def tenant(self, slug: str, allowed: Iterable[int]) -> Tenant:
         """The tenant a caller names. One it may not act for is NotFound exactly as an unknown one is."""
@@ -323,6 +341,10 @@ def _parsed(document_json: str) -> Policy:
 
 _LOCK = threading.Lock()
 _current: Snapshot | None = None
+# When ``_current`` was last found current: the database clock then and this process's monotonic clock.
+_checked_at: tuple[datetime, float] | None = None
+# An unchecked caller's token must not expire within this of the estimated database clock.
+_UNCHECKED_EXPIRY_MARGIN = timedelta(minutes=1)
 
 
 def _read_version() -> tuple[int | None, datetime]:
@@ -364,7 +386,7 @@ def current() -> tuple[Snapshot, datetime]:
 
     With no version row (an emptied table, as between tests) nothing is cached: every call reads afresh.
     """
-    global _current
+    global _current, _checked_at
     version, db_now = _read_version()
     snapshot = _current
     if snapshot is None or version is None or snapshot.version != version:
@@ -373,4 +395,16 @@ def current() -> tuple[Snapshot, datetime]:
             if snapshot is None or version is None or snapshot.version != version:
                 snapshot = _load(version)
                 _current = snapshot if version is not None else None
+    _checked_at = (db_now, time.monotonic()) if version is not None else None
     return snapshot, db_now
+
+
+def unchecked() -> tuple[Snapshot, datetime] | None:
+    """The snapshot ``current()`` last found current, without a statement, and the database clock estimated
+    from the one it read then; None if there is none. Only for a call whose first statement compares the
+    catalog version before anything is written (``Caller.checked_version``)."""
+    snapshot, checked_at = _current, _checked_at
+    if snapshot is None or snapshot.version is None or checked_at is None:
+        return None
+    db_now, at = checked_at
+    return snapshot, db_now + timedelta(seconds=time.monotonic() - at)

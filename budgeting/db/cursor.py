@@ -74,7 +74,11 @@ class _Kept:
 
     def execute(self, query: str, params: Any = None) -> Any:
         self._cursor = _kept_cursor(self._db, _numbered(query))
-        return self._cursor.execute(query, params)
+        done = self._cursor.execute(query, params)
+        # The connection answered: Django's health check (CONN_HEALTH_CHECKS) need not ask it again in this
+        # request, as it would before the request's first statement through its own cursors.
+        self._db.health_check_done = True  # type: ignore[attr-defined]  # not in django-stubs
+        return done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cursor, name)

@@ -11,10 +11,10 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 from django.utils import timezone
 
-from budgeting.catalog.errors import Conflict, NotFound
+from budgeting.catalog.errors import CatalogUnchecked, Conflict, NotFound
 from budgeting.db.rows import fetch_rows
 from ledger import locks
 from ledger.errors import (
@@ -56,11 +56,21 @@ class RequestSent:
     UNKNOWN = "unknown"
 
 
-def _locked(reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int) -> Reservation:
-    return _checked(locks.lock_reservation(reservation_id, tenant_ids), fence)
+def _locked(
+    reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, catalog_version: int | None = None
+) -> Reservation:
+    return _checked(locks.lock_reservation(reservation_id, tenant_ids), fence, catalog_version)
 
 
-def _checked(reservation: Reservation | None, fence: int) -> Reservation:
+def _checked(reservation: Reservation | None, fence: int, catalog_version: int | None = None) -> Reservation:
+    """The reservation read for a write, its fence checked. With ``catalog_version`` (an unchecked caller's:
+    ``Caller.checked_version``), the read must have found that catalog version, before anything is written:
+    CatalogUnchecked otherwise, and when nothing was found (the caller's tenants may be out of date) or the
+    read failed (``_written``)."""
+    if catalog_version is not None and (
+        reservation is None or reservation.catalog_version != catalog_version  # type: ignore[attr-defined]
+    ):
+        raise CatalogUnchecked
     if reservation is None:
         raise NotFound("no such reservation")
     if fence != reservation.fence:
@@ -79,24 +89,31 @@ def _written(
     tenant_ids: Iterable[int],
     fence: int,
     use_case: Callable[[Reservation, Postings], T],
+    catalog_version: int | None = None,
 ) -> T:
     """Run a use case whose write is ONE statement (``Postings.flush``): first on the row read without a
     lock, its write applying only to the row version it read — two statements that each commit themselves,
     no transaction and no lock held between them — and, when the row changed in between, again in a
     transaction under the row's lock. Either way the use case sees a committed state of the row and its write
-    applies to that state only."""
+    applies to that state only. ``catalog_version``: see ``_checked``."""
     tenants = list(tenant_ids)
 
     def unlocked() -> T:
         with own_transaction():
-            reservation = _checked(locks.read_reservation(reservation_id, tenants), fence)
+            try:
+                found = locks.read_reservation(reservation_id, tenants)
+            except (OperationalError, InterfaceError) as error:
+                if catalog_version is None:
+                    raise
+                raise CatalogUnchecked from error
+            reservation = _checked(found, fence, catalog_version)
             version = reservation.row_version  # type: ignore[attr-defined]
             posts = Postings(reservation, held_account_ids(reservation), unchanged_since=version)
             return use_case(reservation, posts)
 
     def locked() -> T:
         with transaction.atomic(durable=True):
-            reservation = _locked(reservation_id, tenants, fence)
+            reservation = _locked(reservation_id, tenants, fence, catalog_version)
             return use_case(reservation, Postings(reservation, held_account_ids(reservation)))
 
     try:
@@ -137,6 +154,7 @@ def dispatch(
     provider_request_id: str,
     admitted_digest: str,
     now: datetime,
+    catalog_version: int | None = None,
 ) -> Reservation:
     """Record the dispatch (before the provider call): input is posted as consumed, and the provider adapter
     and endpoint the pool names now are recorded, since only a lookup there can vouch for the call later.
@@ -168,7 +186,7 @@ def dispatch(
         return reservation
 
     try:
-        return _written(reservation_id, tenant_ids, fence, use_case)
+        return _written(reservation_id, tenant_ids, fence, use_case, catalog_version)
     except IntegrityError as error:
         constraint = getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
         if constraint != PROVIDER_ID_CONSTRAINT:
@@ -194,7 +212,13 @@ class Usage:
 
 
 def record_usage(
-    *, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, usage: Usage, now: datetime
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    usage: Usage,
+    now: datetime,
+    catalog_version: int | None = None,
 ) -> tuple[Reservation, bool]:
     """Capture one usage delta, idempotent by usageEventId; a final event settles (COMPLETED).
 
@@ -222,7 +246,7 @@ def record_usage(
         return reservation, True
 
     try:
-        return _written(reservation_id, tenant_ids, fence, use_case)
+        return _written(reservation_id, tenant_ids, fence, use_case, catalog_version)
     except (IntegrityError, _AlreadyDone) as outcome:
         earlier = UsageEvent.objects.filter(
             reservation_id=reservation_id,
@@ -257,6 +281,7 @@ def top_up(
     top_up_id: str,
     output_tokens: int,
     now: datetime,
+    catalog_version: int | None = None,
 ) -> tuple[Reservation, bool]:
     """Extend the output hold; idempotent by topUpId. Raises QuotaExceeded when an account is short."""
 
@@ -276,7 +301,7 @@ def top_up(
         return reservation, True
 
     try:
-        return _written(reservation_id, tenant_ids, fence, use_case)
+        return _written(reservation_id, tenant_ids, fence, use_case, catalog_version)
     except HoldRefused as refused:
         # Read once the attempt is undone: inside a caller's transaction the refused statement aborted it.
         reservation = Reservation.objects.get(pk=reservation_id)
@@ -311,7 +336,14 @@ def top_up(
         return earlier.reservation, False
 
 
-def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, now: datetime) -> Reservation:
+def cancel(
+    *,
+    reservation_id: uuid.UUID,
+    tenant_ids: Iterable[int],
+    fence: int,
+    now: datetime,
+    catalog_version: int | None = None,
+) -> Reservation:
     """Before dispatch: release everything. After: settle what was consumed, keep the rest held."""
 
     def use_case(reservation: Reservation, posts: Postings) -> Reservation:
@@ -338,7 +370,7 @@ def cancel(*, reservation_id: uuid.UUID, tenant_ids: Iterable[int], fence: int, 
         posts.flush()
         return reservation
 
-    return _written(reservation_id, tenant_ids, fence, use_case)
+    return _written(reservation_id, tenant_ids, fence, use_case, catalog_version)
 
 
 def fail(
@@ -350,6 +382,7 @@ def fail(
     request_sent: str,
     usage: Usage | None,
     now: datetime,
+    catalog_version: int | None = None,
 ) -> Reservation:
     """A provider call failed. Proof of non-processing releases in full; otherwise settle what was incurred.
 
@@ -414,7 +447,9 @@ def fail(
 
     tenants = list(tenant_ids)
     try:
-        return _written(reservation_id, tenants, fence, functools.partial(use_case, recorded=False))
+        return _written(
+            reservation_id, tenants, fence, functools.partial(use_case, recorded=False), catalog_version
+        )
     except IntegrityError:
         if usage is None:
             raise
@@ -430,7 +465,9 @@ def fail(
                 f"usageEventId {usage.usage_event_id!r} was recorded with other amounts",
                 recorded={"outputTokens": earlier.output_tokens, "inputTokens": earlier.input_tokens},
             ) from None
-    return _written(reservation_id, tenants, fence, functools.partial(use_case, recorded=True))
+    return _written(
+        reservation_id, tenants, fence, functools.partial(use_case, recorded=True), catalog_version
+    )
 
 
 # The columns a lifecycle answer shows (``ledger.selectors.lifecycle_answer``), read back by the renewal.

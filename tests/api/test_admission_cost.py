@@ -1,28 +1,44 @@
 """The admission path's database cost, counted (deterministic proxies of its latency): one transaction and one
-commit per admission, at most 6 statements for a warm admission; a lifecycle call is the authentication's
-version read and at most two statements of its own, each committing itself (the unlocked read and the write
-conditional on the row version read; the lease renewal one UPDATE). An outcome report is one transaction under
-the row's lock."""
+commit per admission, at most 6 statements for a warm admission; a lifecycle call is at most two statements
+of its own, each committing itself (the unlocked read and the write conditional on the row version read; the
+lease renewal one UPDATE). The calls that read the reservation first check the catalog version with that
+read, the others with the authentication's version read before it. An outcome report is one transaction
+under the row's lock."""
 
 from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
 from django.db import connection
+from django.utils import timezone
+from rest_framework.test import APIClient
 
 from budgeting.admission.models import Answer, Manifest
-from ledger.models import CapacityAccount, LedgerEntry, Reservation, State
+from budgeting.catalog.changes import Actor
+from budgeting.catalog.models import ApiToken, ServiceClient, hash_token
+from budgeting.catalog.snapshot import Caller
+from budgeting.catalog.tokens import issue_token, revoke_token
+from ledger.models import CapacityAccount, LedgerEntry, Outcome, Reservation, State
 from ledger.selectors import audit
-from tests.api.test_admissions import request_body
+from tests.api.test_admissions import TOKEN, request_body
 from tests.dbwork import DbWork, count_db_work, second_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+ACTOR = Actor(None, "test")
 
 MAX_ADMISSION_STATEMENTS = 6
 # The version read, then the read and the one write (the answer is built from the row written).
 MAX_LIFECYCLE_STATEMENTS = 3
 # The calls whose write is one statement on the row read without a lock (``lifecycle._written``).
 UNLOCKED = {"lease", "dispatch", "top-up", "usage", "cancel", "fail"}
+# The calls whose read of the reservation checks the catalog version too (``LifecycleCall.checks_catalog``):
+# two statements, the read and the write, once this process has read the catalog.
+CHECKS_CATALOG = {"dispatch", "top-up", "usage", "cancel", "fail"}
 
 
 def admit(demo_api, n: int) -> tuple[dict, DbWork]:
@@ -102,6 +118,9 @@ def test_each_lifecycle_call_is_one_transaction_and_few_statements(demo_api):
             assert len(work.statements) <= 2, work.summary()
         else:
             assert len(work.statements) <= MAX_LIFECYCLE_STATEMENTS, f"{action}: {work.summary()}"
+        if action in CHECKS_CATALOG:
+            assert len(work.statements) == 2, f"{action}: {work.summary()}"
+            assert "catalog_version" in work.statements[0], f"{action}: {work.summary()}"
         if action in UNLOCKED:
             assert one_statement_write(work), f"{action}: {work.summary()}"
         else:
@@ -308,3 +327,103 @@ def test_an_admission_short_of_capacity_reads_the_short_account_once(demo_api):
         sql.startswith(('SELECT "budgeting_tenant"', 'SELECT "budgeting_taskclass"'))
         for sql in work.statements
     ), work.summary()
+
+
+def cancel(api_client: APIClient, body: dict) -> tuple[Any, DbWork]:
+    with count_db_work() as work:
+        res = api_client.post(
+            f"/api/v1/reservations/{body['reservationId']}/cancel", {"fence": 1}, format="json"
+        )
+    return res, work
+
+
+def version_reads(work: DbWork) -> int:
+    return sum(
+        "FROM budgeting_catalogversion WHERE id = 1), clock_timestamp()" in sql for sql in work.statements
+    )
+
+
+def test_a_catalog_change_since_the_process_read_it_makes_the_call_again_after_the_catalog_read(demo_api):
+    first, _ = admit(demo_api, 0)  # the process reads the catalog
+    second, _ = admit(demo_api, 1)
+    # A real change through its write path: another token for the gateway's client (the catalog version
+    # moves).
+    issue_token(
+        client_id=ServiceClient.objects.get(name="gateway-eu").pk,
+        reason="rotation",
+        actor=ACTOR,
+        now=timezone.now(),
+    )
+    res, work = cancel(demo_api, first)
+    assert res.status_code == 200, res.content[:300]
+    # The read found another version before writing anything; then the catalog read (and the snapshot's
+    # reload), the read again and the write.
+    first_read, read, write = work.statements[0], work.statements[-2], work.statements[-1]
+    assert "catalog_version" in first_read and "catalog_version" in read, work.summary()
+    assert version_reads(work) == 1 and work.autocommit_writes == 1, work.summary()
+    assert write.startswith("WITH"), work.summary()
+    assert Reservation.objects.get(pk=first["reservationId"]).outcome == Outcome.RELEASED
+    # The process's snapshot is current again: the next call reads no version of its own.
+    res, work = cancel(demo_api, second)
+    assert res.status_code == 200 and len(work.statements) == 2 and version_reads(work) == 0, work.summary()
+
+
+def test_a_token_revoked_since_the_process_read_the_catalog_is_refused_before_anything_is_written(
+    demo_api, monkeypatch
+):
+    first, _ = admit(demo_api, 0)
+    second, _ = admit(demo_api, 1)
+    entries = LedgerEntry.objects.count()
+    token = ApiToken.objects.get(token_hash=hash_token(TOKEN))
+    assert revoke_token(token_id=token.pk, reason="leaked", actor=ACTOR, now=timezone.now())
+    # Negative control: without the read's comparison, the snapshot this process read before the revocation
+    # would let the revoked token cancel a reservation.
+    with monkeypatch.context() as patched:
+        patched.setattr(Caller, "checked_version", property(lambda caller: None))
+        res, _ = cancel(demo_api, first)
+    assert res.status_code == 200, res.content[:300]
+    assert Reservation.objects.get(pk=first["reservationId"]).outcome == Outcome.RELEASED
+    entries = LedgerEntry.objects.count()
+    res, work = cancel(demo_api, second)
+    assert res.status_code == 401, res.content[:300]
+    assert work.autocommit_writes == work.explicit_commits == 0, work.summary()
+    assert Reservation.objects.get(pk=second["reservationId"]).state == State.RESERVED
+    assert LedgerEntry.objects.count() == entries
+
+
+def test_an_unknown_reservation_is_answered_after_the_catalog_read(demo_api):
+    admit(demo_api, 0)
+    res, work = cancel(demo_api, {"reservationId": str(uuid.uuid4())})
+    # Nothing found to compare the catalog version with (the caller's tenants may have changed): the catalog
+    # read, then the answer the read gives with it.
+    assert res.status_code == 404 and res.json()["code"] == "NOT_FOUND", res.content[:300]
+    assert version_reads(work) == 1 and work.autocommit_writes == 0, work.summary()
+
+
+@pytest.mark.parametrize(("expires_in", "statements"), [(timedelta(seconds=30), 3), (timedelta(hours=1), 2)])
+def test_a_token_about_to_expire_is_checked_with_the_catalog_read(demo_api, expires_in, statements):
+    """The database clock a call without the catalog read estimates from the last one is not trusted with a
+    token that expires within a minute."""
+    issued = issue_token(
+        client_id=ServiceClient.objects.get(name="gateway-eu").pk,
+        reason="short-lived",
+        actor=ACTOR,
+        now=timezone.now(),
+        expires_at=timezone.now() + expires_in,
+    )
+    body, _ = admit(demo_api, 0)
+    short_lived = APIClient()
+    short_lived.credentials(HTTP_AUTHORIZATION=f"Bearer {issued.raw}")
+    res, work = cancel(short_lived, body)
+    assert res.status_code == 200, res.content[:300]
+    assert len(work.statements) == statements, work.summary()
+    assert version_reads(work) == statements - 2, work.summary()
+
+
+def test_a_lifecycle_call_on_a_kept_connection_that_died_reconnects(demo_api):
+    body, _ = admit(demo_api, 0)
+    kill_this_connection()  # as a database restart between two requests does
+    start_request_as_the_server_does()
+    res, _ = cancel(demo_api, body)
+    assert res.status_code == 200, res.content[:300]
+    assert Reservation.objects.get(pk=body["reservationId"]).outcome == Outcome.RELEASED
