@@ -2,7 +2,7 @@
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
         .venv/bin/python bench/gateway_bench.py [--calls 150] [--rounds 6] [--before /work/main/gateway] \
-        [--server gthread|sync]
+        [--before-api /work/main] [--server gthread|sync]
 
 It provisions its own database (``<name>_bench``, the demo configuration), serves our API with gunicorn,
 starts the provider simulator and real LiteLLM 1.110.2 proxies (tests/integrations/litellm_proxy.py's venv)
@@ -19,7 +19,8 @@ on loopback, all routing the same model group to the same simulator:
     between two proxy processes doing the same thing (within 0.5 ms in two runs on the development
     machine), the precision of every other difference;
   - ``before`` (with ``--before DIR``): the hook of another checkout's ``gateway/`` folder, e.g. main's
-    before a change.
+    before a change; with ``--before-api ROOT`` too, calling the API of the checkout at ROOT (served the same
+    way, on the same database: it must have the same migrations), for a change of our API's.
 One client sends the same non-streaming chat completion (a support question, 20 output tokens) to each proxy
 in turn, in blocks of ``--calls`` calls per proxy and ``--rounds`` rounds (each round starting one arm further
 on), over one kept-alive connection each, so a machine whose speed drifts moves every arm alike (with a fixed
@@ -269,18 +270,26 @@ def _cpu_by_group(roots: dict[str, list[int]]) -> dict[str, dict[int, float]]:
 
 
 def serve_api(
-    url: str, server: str, settings: str = "budgeting.settings"
+    url: str, server: str, settings: str = "budgeting.settings", root: Path = ROOT
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Our API under gunicorn with ``settings`` (a module importable from the root or bench/)."""
+    """Our API under gunicorn with ``settings`` (a module importable from the root or bench/), the code of the
+    checkout at ``root`` (this one by default; another one reads this one's tokenizer files)."""
     port = free_port()
-    path = os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(root / "bench"), os.environ.get("PYTHONPATH")]))
+    tokenizers = os.environ.get("TOKENIZER_DIR") or str(ROOT / "var" / "tokenizers")
     model = ["--worker-class", "gthread", "--threads", "4"] if server == "gthread" else []
     process = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--config",
          "python:budgeting.gunicorn_conf", "-b", f"127.0.0.1:{port}",
          "-w", "2", *model, "--log-level", "warning"],
-        env={**os.environ, "DATABASE_URL": url, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": path},
-        cwd=ROOT,
+        env={
+            **os.environ,
+            "DATABASE_URL": url,
+            "DJANGO_SETTINGS_MODULE": settings,
+            "PYTHONPATH": path,
+            "TOKENIZER_DIR": tokenizers,
+        },
+        cwd=root,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -338,6 +347,11 @@ def main() -> None:
     parser.add_argument(
         "--before", type=Path, help="another checkout's gateway/ folder, measured as 'before'"
     )
+    parser.add_argument(
+        "--before-api",
+        type=Path,
+        help="another checkout's root: the 'before' arm's hook calls its API (on the same database)",
+    )
     parser.add_argument("--server", choices=["gthread", "sync"], default="gthread")
     args = parser.parse_args()
 
@@ -351,6 +365,7 @@ def main() -> None:
     venv, _ = ensure_venv()
     api_process, api = serve_api(url, args.server)
     views_process, views_api = serve_api(url, args.server, "views_settings")
+    servers = [api_process, views_process]
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
     instant = InstantApi(real_grant(api))
@@ -377,8 +392,12 @@ def main() -> None:
             )
             arms.append(Arm("bare-2", start_proxy(venv, Path(tmp) / "bare-2", sim, api, None)))
             if args.before is not None:
-                before = start_proxy(venv, Path(tmp) / "before", sim, api, args.before)
-                arms.append(Arm("before", before, api_process.pid))
+                before_process, before_api = api_process, api
+                if args.before_api is not None:
+                    before_process, before_api = serve_api(url, args.server, root=args.before_api)
+                    servers.append(before_process)
+                before = start_proxy(venv, Path(tmp) / "before", sim, before_api, args.before)
+                arms.append(Arm("before", before, before_process.pid))
             for arm in arms:
                 arm.client = httpx2.Client(
                     base_url=arm.proxy.url,
@@ -404,7 +423,7 @@ def main() -> None:
                 arm.proxy.stop()
             simulator.stop()
             instant.stop()
-            for process in (api_process, views_process):
+            for process in servers:
                 process.terminate()
                 process.wait(20)
 
