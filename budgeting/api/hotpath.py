@@ -19,6 +19,12 @@ the same body, status, headers (``Allow`` included), the same problem+json for a
 handler's). Anything else — a missing or malformed header, an unknown token, a body the serializer must
 judge, another content type — goes on to Django and DRF unchanged, and is answered as before, nothing having
 been written (``tests/api/test_hotpath.py`` checks both ways answer alike).
+
+One statement fewer than the view: a lifecycle call whose first statement is the reservation's read
+(``LifecycleCall.checks_catalog``) is authenticated without the catalog version read
+(``caller_for_token(checked=False)``), since that read compares the version itself; when it cannot
+(``CatalogUnchecked``: the catalog moved, nothing was found, the read failed), nothing has been written and
+the call is made again after the catalog read.
 """
 
 from __future__ import annotations
