@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from budgeting.catalog.models import CatalogVersion, ModelPool
+from budgeting.catalog.models import CURRENT_VERSION_SQL, ModelPool
 from budgeting.db.rows import fetch_rows
 from ledger.models import CapacityAccount, Hold, Reservation
 
@@ -62,8 +62,7 @@ def _lock_sql(scoped: bool, *, locked: bool) -> str:
         f" ARRAY(SELECT h.account_id FROM {Hold._meta.db_table} h WHERE h.reservation_id = r.id"
         "  ORDER BY h.account_id) AS held_account_ids,"
         " clock_timestamp() AS db_now, p.adapter AS pool_adapter, p.provider_base_url AS pool_endpoint,"
-        f" r.xmin::text AS row_version, (SELECT v.version FROM {CatalogVersion._meta.db_table} v"
-        "  WHERE v.id = 1) AS catalog_version"
+        f" r.xmin::text AS row_version, ({CURRENT_VERSION_SQL}) AS catalog_version"
         f" FROM {Reservation._meta.db_table} r JOIN {ModelPool._meta.db_table} p ON p.id = r.model_pool_id"
         f" WHERE r.id = %s{tenants}{' FOR UPDATE OF r' if locked else ''}"
     )

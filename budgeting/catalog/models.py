@@ -454,3 +454,8 @@ class CatalogVersion(models.Model):
 
     def __str__(self) -> str:
         return f"catalog v{self.version}"
+
+
+# The catalog version now, as a scalar subquery: the snapshot's version read and the reservation's read
+# (``ledger.locks``, for an unchecked caller) both read it so.
+CURRENT_VERSION_SQL = f"SELECT version FROM {CatalogVersion._meta.db_table} WHERE id = 1"

@@ -29,6 +29,7 @@ from django.db import InterfaceError, OperationalError
 
 from budgeting.catalog.errors import NotFound, Unavailable
 from budgeting.catalog.models import (
+    CURRENT_VERSION_SQL,
     ApiToken,
     Counter,
     ModelPool,
@@ -374,9 +375,7 @@ def _read_version() -> tuple[int | None, datetime]:
 
 def _version_and_clock() -> tuple[int | None, datetime]:
     with prepared_cursor() as cursor:
-        cursor.execute(
-            "SELECT (SELECT version FROM budgeting_catalogversion WHERE id = 1), clock_timestamp()"
-        )
+        cursor.execute(f"SELECT ({CURRENT_VERSION_SQL}), clock_timestamp()")
         version, db_now = cursor.fetchone()
     return version, db_now
 
