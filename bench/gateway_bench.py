@@ -231,7 +231,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")  # /proc counts CPU time in these
 
 
 def _processes() -> dict[int, tuple[int, str, float]]:
