@@ -14,6 +14,7 @@ urlpatterns = [
     path("problems/<str:slug>", problem_pages.problem_page, name="problem"),
     path("api/v1/admissions", views.AdmissionView.as_view(), name="admissions"),
     path("api/v1/admissions:count", views.CountView.as_view(), name="admissions-count"),
+    path("api/v1/reservations:usage", views.UsageReportsView.as_view(), name="usage-reports"),
     path(R, views.ReservationView.as_view(), name="reservation"),
     path(f"{R}/dispatch", views.DispatchView.as_view(), name="reservation-dispatch"),
     path(f"{R}/usage", views.UsageView.as_view(), name="reservation-usage"),

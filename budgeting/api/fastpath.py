@@ -115,6 +115,8 @@ def _compile(field: fields.Field) -> Check | None:
         return None
     if isinstance(field, serializers.Serializer):
         return _compile_serializer(field)
+    if isinstance(field, serializers.ListSerializer):
+        return _compile_list(field)
     if isinstance(field, fields.BooleanField):
         return lambda value: value if type(value) is bool else _DEFER
     if type(field) is RequestSentField:
@@ -127,6 +129,24 @@ def _compile(field: fields.Field) -> Check | None:
         allow_empty = field.allow_empty
         return lambda value: dict(value) if type(value) is dict and (value or allow_empty) else _DEFER
     return None
+
+
+def _compile_list(field: serializers.ListSerializer) -> Check | None:
+    """A ``many=True`` serializer: a list of its length limits, each item its child's check."""
+    child = None if field.child is None else _compile(field.child)
+    if child is None:
+        return None
+    # Set by DRF from the serializer's arguments (its stubs do not declare them).
+    shortest = max(getattr(field, "min_length", None) or 0, 0 if field.allow_empty else 1)
+    longest = getattr(field, "max_length", None) or 2**31
+
+    def check(value: Any) -> Any:
+        if type(value) is not list or not shortest <= len(value) <= longest:
+            return _DEFER
+        items = [child(item) for item in value]
+        return _DEFER if any(item is _DEFER for item in items) else items
+
+    return check
 
 
 def _request_sent(value: Any) -> Any:

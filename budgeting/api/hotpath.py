@@ -1,5 +1,5 @@
-"""The gateway's per-call requests — the admission and the lifecycle calls — served without the middleware and
-the framework layers that do nothing for them.
+"""The gateway's per-call requests — the admission, the lifecycle calls and the usage reports — served without
+the middleware and the framework layers that do nothing for them.
 
 A gateway makes two of these calls for every model call (the admission, then the final usage). Through
 Django's whole middleware stack and DRF's view machinery each spends CPU in layers that do nothing for a
@@ -45,7 +45,7 @@ from budgeting.api.middleware import exception_answer
 from budgeting.api.parsers import BadJSON, loads_strict, media_charset
 from budgeting.api.problems import exception_handler
 from budgeting.api.renderers import FastJSONRenderer
-from budgeting.api.serializers import AdmissionIn
+from budgeting.api.serializers import AdmissionIn, UsageReportsIn
 from budgeting.catalog.errors import CatalogUnchecked
 from budgeting.catalog.snapshot import Caller
 from budgeting.observability.logging import PARSED_BODY
@@ -130,6 +130,8 @@ def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str
     checks_catalog = False
     if view is views.AdmissionView:
         call = _admission(request)
+    elif view is views.UsageReportsView:
+        call = _usage_reports(request)
     elif isinstance(view, type) and issubclass(view, views.LifecycleView):
         call = _lifecycle(request, view.action, match.kwargs["reservation_id"])
         checks_catalog = operations.LIFECYCLE[view.action].checks_catalog
@@ -160,6 +162,14 @@ def _admission(request: HttpRequest) -> Call | None:
         return None
     key = request.headers.get("Idempotency-Key", "")
     return lambda caller: operations.admit(caller, validated, data, key)
+
+
+def _usage_reports(request: HttpRequest) -> Call | None:
+    validate = fast_validator(UsageReportsIn)
+    validated = None if validate is None else validate(_body(request))
+    if validated is None:
+        return None
+    return lambda caller: operations.usage_reports(caller, validated)
 
 
 def _lifecycle(request: HttpRequest, action: str, reservation_id: str) -> Call | None:

@@ -18,6 +18,7 @@ from budgeting.admission import orchestrator as admission
 from budgeting.admission.request import AdmissionRequest
 from budgeting.api.problems import problem_body
 from budgeting.api.serializers import DispatchIn, FailIn, FenceIn, OutcomeIn, TopUpIn, UsageIn
+from budgeting.catalog.errors import DomainError, NotFound
 from budgeting.catalog.snapshot import Caller
 from ledger import selectors
 from ledger.models import Reservation
@@ -84,6 +85,35 @@ def _usage(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
         catalog_version=caller.checked_version,
     )
     return _left(reservation, applied=applied)
+
+
+def usage_reports(caller: Caller, body: dict[str, Any]) -> Answer:
+    """``POST /reservations:usage``: each report as its own usage call, in order. A report its call would
+    refuse (an unknown reservation, a stale fence…) gets that status and problem in its result, and the
+    others go on; a dependency that is down fails the whole request (503), and sending it again is safe
+    (each report is idempotent by its ``usageEventId``)."""
+    results = []
+    for report in body["usage"]:
+        subject = report["reservationId"]
+        try:
+            rid = uuid.UUID(subject)
+        except ValueError:
+            results.append(_refused(subject, NotFound("no such reservation")))
+            continue
+        try:
+            left = _usage(caller, rid, report).body
+        except DomainError as exc:
+            results.append(_refused(subject, exc))
+            continue
+        results.append(
+            {"reservationId": subject, "status": 200, "applied": left["applied"], "state": left["state"]}
+        )
+    return Answer({"results": results})
+
+
+def _refused(subject: str, error: DomainError) -> dict[str, Any]:
+    problem = problem_body(error)
+    return {"reservationId": subject, "status": problem["status"], "problem": problem}
 
 
 def _top_up(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:

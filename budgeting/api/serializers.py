@@ -81,6 +81,20 @@ class UsageIn(FenceIn):
     final = StrictBoolean()
 
 
+MAX_USAGE_REPORTS = 100
+
+
+class UsageReportIn(UsageIn):
+    """One report of ``POST /reservations:usage``: a usage call's body, with the reservation it is for."""
+
+    reservationId = StrictRegex(r"^[0-9A-Za-z-]{1,64}$", max_length=64)
+
+
+class UsageReportsIn(StrictSerializer):
+    # DRF's stubs lack the length arguments that ``many=True`` hands its ListSerializer.
+    usage = UsageReportIn(many=True, min_length=1, max_length=MAX_USAGE_REPORTS)  # type: ignore[call-arg]
+
+
 class TopUpIn(FenceIn):
     topUpId = identifier()
     outputTokens = StrictInteger(min_value=1, max_value=MAX_TOKENS)
@@ -458,11 +472,27 @@ class LifecycleAppliedOut(LifecycleOut):
     applied = serializers.BooleanField(help_text="false when this event id was already recorded (a repeat)")
 
 
+class UsageResultOut(serializers.Serializer):
+    """What one report did: ``status`` 200 with the reservation as it left it, or the status and problem its
+    own call would have answered."""
+
+    reservationId = serializers.CharField()
+    status = serializers.IntegerField(help_text="200, or the status of the report's problem")
+    applied = serializers.BooleanField(required=False, help_text="present with status 200")
+    state = serializers.CharField(required=False, help_text="present with status 200")
+    problem = ProblemOut(required=False, help_text="present with any other status")
+
+
+class UsageResultsOut(serializers.Serializer):
+    results = UsageResultOut(many=True, help_text="one per report, in the order sent")
+
+
 class EndpointsOut(serializers.Serializer):
     admit = serializers.CharField()
     count = serializers.CharField()
     reservation = serializers.CharField()
     lifecycle = serializers.ListField(child=serializers.CharField())
+    usageReports = serializers.CharField()
     reports = serializers.CharField()
 
 

@@ -38,6 +38,8 @@ from budgeting.api.serializers import (
     ShadowOut,
     TopUpIn,
     UsageIn,
+    UsageReportsIn,
+    UsageResultsOut,
 )
 from budgeting.catalog.errors import InvalidInput, NotFound
 from budgeting.catalog.models import ServiceClient
@@ -175,6 +177,7 @@ class IndexView(APIView):
                         f"POST {reservation}/{action}"
                         for action in ("dispatch", "usage", "top-up", "cancel", "fail", "lease", "outcome")
                     ],
+                    "usageReports": "POST /api/v1/reservations:usage",
                     "reports": "GET /api/v1/reports",
                 },
             }
@@ -342,6 +345,25 @@ class UsageView(LifecycleView):
     )
     def post(self, request: Request, reservation_id: str) -> Response:
         return super().post(request, reservation_id)
+
+
+class UsageReportsView(TenantScopedView):
+    @extend_schema(
+        request=UsageReportsIn,
+        responses={200: UsageResultsOut, **ERRORS},
+        operation_id="recordUsageReports",
+        summary="Report usage for several reservations at once",
+        description="Each report is the body of POST /api/v1/reservations/{id}/usage with its "
+        "`reservationId`; they are applied in order, each as its own usage call. Each result is the report's "
+        "status (200, or the status its own call would answer: 404 for an unknown reservation, 409 for a "
+        "stale fence…) with the reservation's `state` and `applied`, or its problem: one refused report does "
+        "not stop the others. A body that does not match the schema is 400 with nothing written; a "
+        "dependency that is down is 503, and sending the same reports again is safe (each is idempotent by "
+        "its usageEventId).",
+    )
+    def post(self, request: Request) -> Response:
+        reports = self.validated(UsageReportsIn, request.data)
+        return _response(operations.usage_reports(self.caller(), reports))
 
 
 class TopUpView(LifecycleView):

@@ -32,6 +32,13 @@ VALID: dict[type, dict[str, Any]] = {
     api.FenceIn: {"fence": 1},
     api.DispatchIn: {"fence": 2, "providerRequestId": "chatcmpl-1", "admittedDigest": "sha256:" + "c" * 64},
     api.UsageIn: {"fence": 1, "usageEventId": "u1", "inputTokens": None, "outputTokens": 5, "final": True},
+    api.UsageReportIn: {
+        "reservationId": "0b5f0a4e-8d1c-4f55-9d7e-2f1b6c9a7e10",
+        "fence": 1,
+        "usageEventId": "u1",
+        "outputTokens": 5,
+        "final": True,
+    },
     api.TopUpIn: {"fence": 1, "topUpId": "top-1", "outputTokens": 200},
     api.FailIn: {
         "fence": 1,
@@ -39,6 +46,9 @@ VALID: dict[type, dict[str, Any]] = {
         "requestSent": "unknown",
         "usage": {"usageEventId": "u1", "inputTokens": None, "outputTokens": 5},
     },
+}
+VALID[api.UsageReportsIn] = {
+    "usage": [VALID[api.UsageReportIn], {**VALID[api.UsageReportIn], "usageEventId": "u2", "inputTokens": 9}]
 }
 
 ODD_VALUES = st.one_of(
@@ -101,6 +111,33 @@ def test_a_plainly_valid_body_takes_the_fast_path(serializer_class):
     serializer = serializer_class(data=VALID[serializer_class])
     assert serializer.is_valid(), serializer.errors
     assert fast(VALID[serializer_class]) == dict(serializer.validated_data)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_list_of_reports_is_answered_exactly_as_drf_answers_it_or_deferred(data):
+    """The compiled ``many=True`` serializer: its items changed as ``near_valid`` changes a body, its length
+    from none to one past the limit, or something other than a list."""
+    length = data.draw(st.sampled_from([0, 1, 2, 3, api.MAX_USAGE_REPORTS, api.MAX_USAGE_REPORTS + 1]))
+    reports = [
+        data.draw(near_valid(api.UsageReportIn))
+        if data.draw(st.booleans())
+        else dict(VALID[api.UsageReportIn])
+        for _ in range(min(length, 3))
+    ]
+    reports += [dict(VALID[api.UsageReportIn])] * (length - len(reports))
+    body = {"usage": data.draw(st.sampled_from([reports, {"0": reports}, None, "reports"]))}
+    fast = fast_validator(api.UsageReportsIn)
+    assert fast is not None
+    answered = fast(body)
+    serializer = api.UsageReportsIn(data=body)
+    valid = serializer.is_valid()
+    if answered is None:
+        # It defers to DRF only where it must: a body whose every report is plainly valid is answered.
+        assert not (valid and all(fast_validator(api.UsageReportIn)(r) for r in body["usage"])), body
+        return
+    assert valid, (body, serializer.errors)
+    assert plain(answered) == plain(dict(serializer.validated_data))
 
 
 def test_a_body_drf_would_change_is_left_to_drf():

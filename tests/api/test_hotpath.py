@@ -109,8 +109,8 @@ def written() -> tuple[int, ...]:
 
 
 def lifecycle_calls(api_client: APIClient, way: str) -> list[Any]:
-    """Every call a gateway makes, on three reservations: admission (one dispatched in it), dispatch, usage
-    (streamed, final, replayed), top-up, lease, outcome, cancel, fail."""
+    """Every call a gateway makes, on four reservations: admission (two dispatched in it), dispatch, usage
+    (streamed, final, replayed), top-up, lease, outcome, cancel, fail, the usage reports."""
     answers = []
     first = send(
         api_client, "/api/v1/admissions", support_request(f"r1-{way}"), HTTP_IDEMPOTENCY_KEY=f"k1-{way}"
@@ -148,6 +148,19 @@ def lifecycle_calls(api_client: APIClient, way: str) -> list[Any]:
         third,
         send(api_client, f"/api/v1/reservations/{third.json()['reservationId']}/cancel", {"fence": 1}),
     ]
+    # The usage reports: a fourth reservation's final usage, and one for a reservation that does not exist.
+    fourth = send(
+        api_client,
+        "/api/v1/admissions",
+        support_request(f"r4-{way}", dispatch={"providerRequestId": f"p4-{way}"}),
+        HTTP_IDEMPOTENCY_KEY=f"k4-{way}",
+    )
+    report = {"fence": 1, "usageEventId": f"u4-{way}", "outputTokens": 3, "final": True}
+    reports = [
+        {**report, "reservationId": fourth.json()["reservationId"]},
+        {**report, "reservationId": "00000000-0000-4000-8000-000000000000"},
+    ]
+    answers += [fourth, send(api_client, "/api/v1/reservations:usage", {"usage": reports})]
     # The first admission again: its key replays it.
     answers.append(
         send(api_client, "/api/v1/admissions", support_request(f"r1-{way}"), HTTP_IDEMPOTENCY_KEY=f"k1-{way}")
@@ -165,7 +178,8 @@ def test_every_call_of_the_gateway_answers_alike_both_ways(api, settings, drf, c
     assert len(drf) == len(views)
     assert [alike(answer) for answer in hot] == [alike(answer) for answer in views]
     statuses = [answer.status_code for answer in hot]
-    assert statuses == [201, 200, 200, 200, 200, 200, 200, 200, 201, 200, 201, 200, 200]
+    assert statuses == [201, 200, 200, 200, 200, 200, 200, 200, 201, 200, 201, 200, 201, 200, 200]
+    assert [r["status"] for r in hot[-2].json()["results"]] == [200, 404]
     assert hot[5].json()["applied"] is False and hot[-1]["Idempotent-Replayed"] == "true"
     # The request log's line of a hot call names what a view's names.
     lines = [r.msg for r in caplog.records if isinstance(r.msg, dict) and r.msg.get("event") == "api call"]
