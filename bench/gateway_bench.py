@@ -127,8 +127,9 @@ class Arm:
 class InstantApi:
     """A stand-in for our API that answers at once: an admission gets ``grant`` (a real answer of ours)
     under a new reservation id, dispatched under the provider request id the hook sent; any lifecycle call
-    gets its lease renewed. It is aiohttp in a process of its own, so it shares no interpreter lock with
-    this process's client and simulator: its own cost stays far below a millisecond."""
+    gets its lease renewed; usage reports are each applied. It is aiohttp in a process of its own, so it
+    shares no interpreter lock with this process's client and simulator: its own cost stays far below a
+    millisecond."""
 
     def __init__(self, grant: dict[str, Any]) -> None:
         self.grant = grant
@@ -176,8 +177,17 @@ def _serve_instant_api(grant: dict[str, Any], port: int) -> None:
         await request.read()
         return web.json_response({"reservationId": request.match_info["reservation_id"], "lease": _lease()})
 
+    async def reports(request: web.Request) -> web.Response:
+        body = await request.json()
+        results = [
+            {"reservationId": report["reservationId"], "status": 200, "applied": True, "state": "SETTLED"}
+            for report in body["usage"]
+        ]
+        return web.json_response({"results": results})
+
     app = web.Application()
     app.router.add_post("/api/v1/admissions", admit)
+    app.router.add_post("/api/v1/reservations:usage", reports)
     app.router.add_post("/api/v1/reservations/{reservation_id}/{action}", lifecycle)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 

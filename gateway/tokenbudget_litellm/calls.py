@@ -2,7 +2,8 @@
 
 ``Calls`` makes the calls to our API, as coroutines of the proxy's event loop: admit (waiting out a queue
 up to ``queue_wait_s``, and recording the dispatch in the same call), dispatch (only where the admission
-could not record it), the final usage, ``fail``, ``cancel``, lease renewals. A ``Ticket`` is what an
+could not record it), the final usage (sent with other calls' final usages: ``reports``), ``fail``,
+``cancel``, lease renewals. A ``Ticket`` is what an
 admission grants and what the later hooks need; it rides in the request's metadata. Our API's refusals
 become ``Refusal``s carrying the status, the problem and ``Retry-After`` the proxy's client must see; an
 unreachable API raises ``ApiUnavailable`` and the hook decides (fail closed, or open if configured).
@@ -45,6 +46,7 @@ from tokenbudget_gateway.provider import NOT_PROCESSED_STATUSES
 from tokenbudget_gateway.transport import ApiResponse
 
 from tokenbudget_litellm.mapping import AdmissionRequest
+from tokenbudget_litellm.reports import UsageReports
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,7 @@ class Calls:
         *,
         queue_wait_s: float = 0.0,
         dispatch_at_admission: bool = True,
+        usage_flush_s: float = 0.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -173,6 +176,7 @@ class Calls:
         self._sleep = sleep
         self._monotonic = monotonic
         self._wall_clock = wall_clock
+        self.reports = UsageReports(api, flush_s=usage_flush_s, monotonic=monotonic)
 
     async def admit(self, request: AdmissionRequest, *, sent: asyncio.Event | None = None) -> Admitted:
         """``POST /api/v1/admissions``; a queued answer is asked again with the same key until admitted
@@ -242,19 +246,20 @@ class Calls:
             {"providerRequestId": ticket.provider_request_id, "admittedDigest": ticket.admitted_digest},
         )
 
-    async def complete(
+    def complete(
         self, ticket: Ticket, *, input_tokens: int, output_tokens: int, provider_id: str | None
     ) -> None:
-        """The final usage: the provider's totals for the call, in one event."""
-        await self._post(
-            ticket,
-            "usage",
+        """The final usage: the provider's totals for the call, in one event, sent with other calls' within
+        ``usage_flush_s`` (``reports``)."""
+        self.reports.add(
             {
+                "reservationId": ticket.reservation_id,
+                "fence": ticket.fence,
                 "usageEventId": _event_id(ticket, provider_id, 1),
                 "inputTokens": input_tokens,
                 "outputTokens": output_tokens,
                 "final": True,
-            },
+            }
         )
 
     async def fail(

@@ -40,8 +40,9 @@ Every call to our API is a coroutine on the proxy's event loop over kept-alive c
   usage if it came, else the chunks seen as incurred usage, then ``cancel``, which frees the concurrency
   slot (the provider connection is closed) while the output still unknown stays held for reconciliation
   (SPEC §5).
-- ``async_log_success_event``: the provider's usage (streamed or not) is posted as the final usage, keyed
-  by the provider's request id; an answer from LiteLLM's cache is reported as never sent.
+- ``async_log_success_event``: the provider's usage (streamed or not) is the final usage, keyed by the
+  provider's request id, sent with the other calls' final usages of the next ``usageFlushSeconds`` in one
+  request (``reports``); an answer from LiteLLM's cache is reported as never sent.
 - ``async_post_call_failure_hook`` / ``async_log_failure_event``: before the provider call the
   reservation is released in full (``cancel``, or ``fail`` with ``requestSent: false`` once the dispatch
   is recorded); after it, ``fail`` with what ``calls.request_sent_of`` can prove, the chunks seen posted as
@@ -155,6 +156,7 @@ class TokenBudgetHook(CustomLogger):
             AsyncApi(settings.api_url, settings.token, deadline_s=settings.timeout_s),
             queue_wait_s=settings.queue_wait_s,
             dispatch_at_admission=settings.dispatch_at_admission,
+            usage_flush_s=settings.usage_flush_s,
         )
         self._states: dict[str, _CallState] = {}
         self._admissions: dict[str, _Admission] = {}
@@ -450,7 +452,7 @@ class TokenBudgetHook(CustomLogger):
         provider_id = getattr(answer, "id", None)
         if answer is not None and provider_id != ticket.provider_request_id:
             logger.warning("provider answered %s as %r", ticket.provider_request_id, provider_id)
-        await self.calls.complete(
+        self.calls.complete(
             ticket,
             input_tokens=prompt,
             output_tokens=completion,

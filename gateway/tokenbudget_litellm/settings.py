@@ -8,6 +8,7 @@ file but in the environment variable the file names (``tokenEnv``, default ``TOK
       "failOpen": false,
       "timeoutSeconds": 5,
       "queueWaitSeconds": 0,
+      "usageFlushSeconds": 0.1,
       "tenantByTeam": {"legal-team": "t-19"},
       "modelGroups": {
         "eu-large": {
@@ -79,7 +80,9 @@ class HookSettings:
     before the provider call instead of two). ``unlisted``: what happens to a model group that is not
     configured (``reject``: 400, ``pass``: not admitted, as if the hook were absent). The lease is renewed
     at a third of what each grant or renewal gave, for every call, streamed or not, for at most
-    ``max_call_s`` (a call this process lost track of is then left to the reclaimer)."""
+    ``max_call_s`` (a call this process lost track of is then left to the reclaimer). ``usage_flush_s``:
+    how long a call's final usage waits to be sent with other calls' in one request (``reports``; 0: as
+    soon as the event loop is free)."""
 
     api_url: str
     token: str
@@ -90,6 +93,7 @@ class HookSettings:
     queue_wait_s: float = 0.0
     dispatch_at_admission: bool = True
     max_call_s: float = 900.0
+    usage_flush_s: float = 0.1
     metadata_key: str = "tokenbudget"
     unlisted: Literal["reject", "pass"] = "reject"
 
@@ -129,6 +133,7 @@ class HookSettings:
             queue_wait_s=_seconds(doc.get("queueWaitSeconds", 0.0), "queueWaitSeconds"),
             dispatch_at_admission=_boolean(doc.get("dispatchAtAdmission", True), "dispatchAtAdmission"),
             max_call_s=_positive_seconds(doc.get("maxCallSeconds", 900.0), "maxCallSeconds"),
+            usage_flush_s=_seconds(doc.get("usageFlushSeconds", 0.1), "usageFlushSeconds"),
             metadata_key=_string(doc.get("metadataKey", "tokenbudget"), "metadataKey"),
             unlisted=unlisted,
         )

@@ -284,7 +284,8 @@ def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -
 
     async def every_call() -> None:
         await made.dispatch(TICKET)
-        await made.complete(TICKET, input_tokens=12, output_tokens=30, provider_id="tbr-res-1")
+        made.complete(TICKET, input_tokens=12, output_tokens=30, provider_id="tbr-res-1")
+        await made.reports.flush()
         await made.fail(TICKET, request_sent="unknown", reason="Timeout", output_seen=4)
         await made.cancel(TICKET, output_seen=2)
 
@@ -296,8 +297,19 @@ def test_dispatch_usage_fail_and_cancel_carry_the_fence_and_the_provider_ids() -
             {"fence": 3, "providerRequestId": "tbr-res-1", "admittedDigest": TICKET.admitted_digest},
         ),
         (
-            "usage",
-            {"fence": 3, "usageEventId": "tbr-res-1:1", "inputTokens": 12, "outputTokens": 30, "final": True},
+            "reservations:usage",
+            {
+                "usage": [
+                    {
+                        "reservationId": "res-1",
+                        "fence": 3,
+                        "usageEventId": "tbr-res-1:1",
+                        "inputTokens": 12,
+                        "outputTokens": 30,
+                        "final": True,
+                    }
+                ]
+            },
         ),
         (
             "fail",
@@ -323,9 +335,14 @@ def test_a_renewal_answers_the_leases_new_length() -> None:
 def test_a_provider_id_our_api_cannot_take_is_not_used_in_event_ids() -> None:
     api = ScriptedApi()
 
-    run(calls(api).complete(TICKET, input_tokens=1, output_tokens=1, provider_id="bad id with spaces"))
+    async def complete() -> None:
+        made = calls(api)
+        made.complete(TICKET, input_tokens=1, output_tokens=1, provider_id="bad id with spaces")
+        await made.reports.flush()
 
-    assert api.sent[0].body["usageEventId"] == "tbr-res-1:1"
+    run(complete())
+
+    assert api.sent[0].body["usage"][0]["usageEventId"] == "tbr-res-1:1"
 
 
 # -- requestSent -------------------------------------------------------------------------------------------

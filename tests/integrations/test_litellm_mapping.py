@@ -245,6 +245,7 @@ def test_settings_read_the_documented_file_and_the_token_from_the_environment() 
     document = {
         "apiUrl": "http://api",
         "failOpen": True,
+        "usageFlushSeconds": 0.25,
         "tenantByTeam": {"legal": "t-19"},
         "modelGroups": {
             "g": {
@@ -260,6 +261,13 @@ def test_settings_read_the_documented_file_and_the_token_from_the_environment() 
     settings = HookSettings.from_document(document, {"TOKEN_BUDGET_TOKEN": "secret"})
 
     assert (settings.api_url, settings.token, settings.fail_open) == ("http://api", "secret", True)
+    assert settings.usage_flush_s == 0.25
+    assert (
+        HookSettings.from_document(
+            {**document, "usageFlushSeconds": 0}, {"TOKEN_BUDGET_TOKEN": "s"}
+        ).usage_flush_s
+        == 0
+    )
     group = settings.model_groups["g"]
     assert (group.system_bucket, group.essential_tools, group.max_output) == (
         "outputSafety",
@@ -279,8 +287,9 @@ def test_settings_read_the_documented_file_and_the_token_from_the_environment() 
         },
         {"apiUrl": "http://api", "modelGroups": {}, "failOpen": "yes"},
         {"modelGroups": {}},
+        {"apiUrl": "http://api", "modelGroups": {}, "usageFlushSeconds": -0.1},
     ],
-    ids=["no-revision", "unknown-setting", "max-output", "fail-open", "no-api-url"],
+    ids=["no-revision", "unknown-setting", "max-output", "fail-open", "no-api-url", "usage-flush"],
 )
 def test_settings_refuse_a_malformed_document(document: dict[str, Any]) -> None:
     with pytest.raises(SettingsError):
