@@ -41,6 +41,7 @@ from typing import Any
 
 from django.db import DatabaseError, connection
 
+from budgeting.catalog.errors import CatalogUnchecked
 from budgeting.db.cursor import prepared_cursor
 from ledger.errors import HoldRefused, RowChanged
 from ledger.models import BALANCES, CONSUMED_BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
@@ -49,6 +50,9 @@ from ledger.models import BALANCES, CONSUMED_BALANCES, LIMITS, MONEY_BALANCES, C
 REFUSED_SQLSTATE = "TB429"
 # The SQLSTATE of ledger_require_unchanged (migration ledger 0013): a reservation changed since it was read.
 CHANGED_SQLSTATE = "TB409"
+# The SQLSTATE of ledger_require_catalog_version (migration ledger 0017): the catalog moved since the caller's
+# snapshot was read.
+CATALOG_MOVED_SQLSTATE = "TB412"
 
 
 def _columns(row: str, columns: Sequence[str], between: str = ", ") -> str:
@@ -92,11 +96,13 @@ _ENTRY_COLUMNS = (
 
 
 @functools.lru_cache(maxsize=8)
-def _hold_sql(reservation_sql: str, record_sql: str | None) -> str:
+def _hold_sql(reservation_sql: str, record_sql: str | None, guarded: bool) -> str:
     types = _types()
     amounts = ", ".join(f"%s::{types[column]} AS {column}" for column in BALANCES)
     record = "" if record_sql is None else f"record AS ({record_sql}), "
     record_id = "NULL::bigint" if record_sql is None else "(SELECT id FROM record)"
+    # First in the last step's list: a moved catalog is said before a refused hold.
+    guard = "ledger_require_catalog_version(%s::bigint), " if guarded else ""
     # The accounts are locked only once the record and the reservation are written (``ordered`` reads
     # ``reservation``; an unread data-modifying CTE would run after the main query, inside the locks): the
     # hot rows stay locked for the holds, the entries and the commit only, and a replayed Idempotency-Key
@@ -119,7 +125,8 @@ def _hold_sql(reservation_sql: str, record_sql: str | None) -> str:
         INSERT INTO ledger_ledgerentry ({_ENTRY_COLUMNS})
         SELECT held.id, m.rid, 'HOLD', {_columns("d", BALANCES)}, held.period_start, m.reason, '',
                now() FROM held JOIN d ON d.id = held.id, m)
-    SELECT ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id} FROM held"""
+    SELECT {guard}ledger_require_holds(%s::bigint[], COALESCE(array_agg(id), '{{}}')), {record_id}
+      FROM held"""
 
 
 def hold(
@@ -131,6 +138,7 @@ def hold(
     *,
     reason: str = "",
     currency: str = "",
+    catalog_version: int | None = None,
 ) -> int | None:
     """Write the reservation's row (``reservation``: its INSERT, or its UPDATE when it was queued) and hold
     ``amounts`` (balance column -> amount) on every account, each conditional on ``within_limits``, with its
@@ -140,10 +148,14 @@ def hold(
     returns its id.
 
     All or nothing: when an account refuses, ``ledger_require_holds`` fails the statement (nothing is
-    written; the caller's transaction, if any, is aborted) and HoldRefused names the refusing accounts.
+    written; the caller's transaction, if any, is aborted) and HoldRefused names the refusing accounts. With
+    ``catalog_version`` (an unchecked caller's: ``Caller.checked_version``), the statement also requires the
+    catalog to be at that version (``ledger_require_catalog_version``), and fails with CatalogUnchecked,
+    nothing written, when it is not.
     """
     wanted = sorted(account_ids)
-    statement = _hold_sql(reservation[0], None if record is None else record[0])
+    guarded = catalog_version is not None
+    statement = _hold_sql(reservation[0], None if record is None else record[0], guarded)
     params = [
         *([] if record is None else record[1]),
         *reservation[1],
@@ -152,13 +164,16 @@ def hold(
         reason,
         currency,
         wanted,
+        *([catalog_version] if guarded else []),
         wanted,
     ]
     try:
         with prepared_cursor() as cursor:
             cursor.execute(statement, params)
-            _, record_id = cursor.fetchone()
+            record_id = cursor.fetchone()[-1]
     except DatabaseError as error:
+        if getattr(error.__cause__, "sqlstate", None) == CATALOG_MOVED_SQLSTATE:
+            raise CatalogUnchecked from None
         refused = _refused_accounts(error)
         if refused is None:
             raise

@@ -3,11 +3,14 @@
 Slow work (rendering, counting, the ladder) happens before any transaction. An admission is then ONE
 transaction: the manifest, the reservation, its holds and entries, and the stored answer commit together or
 not at all (``ledger.services.admission.reserve`` runs ``record`` inside its transaction). The catalog comes
-from the caller's in-process snapshot, so a warm admission costs two statements.
+from the caller's in-process snapshot, so a warm admission costs two statements (the version read, the
+reserving statement), and one through the hot path, whose reserving statement checks the version itself
+(``admit``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +24,15 @@ from budgeting.admission.counters.service import provider_count_for
 from budgeting.admission.decision_memo import Prepared, decision_memo, memo_key, memoizable
 from budgeting.admission.models import Answer, Manifest
 from budgeting.admission.request import AdmissionRequest
-from budgeting.catalog.errors import Conflict, DomainError, InvalidInput, Unavailable, Unprocessable
+from budgeting.catalog import snapshot
+from budgeting.catalog.errors import (
+    CatalogUnchecked,
+    Conflict,
+    DomainError,
+    InvalidInput,
+    Unavailable,
+    Unprocessable,
+)
 from budgeting.catalog.models import ModelRevision, RolloutMode, Tenant
 from budgeting.catalog.snapshot import Caller, Resolved
 from budgeting.db.rows import RecordInsert
@@ -77,8 +88,12 @@ class Context:
         return self.prepared.full_payload
 
 
-def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
-    """Resolve the catalog, then parse, render and decide, or take all three from the decision memo."""
+def _prepare(
+    caller: Caller, request: AdmissionRequest, confirm: Callable[[], object] | None = None
+) -> Context:
+    """Resolve the catalog, then parse, render and decide, or take all three from the decision memo.
+    ``confirm`` (an unchecked caller's): called before a provider's counting API is asked, so a snapshot out
+    of date costs no call outside the process."""
     tenant = caller.snapshot.tenant(request.tenant_id, caller.tenant_ids)
     resolved = caller.snapshot.resolve(
         task_class=request.task_class, pool=request.model_pool, model_revision=request.model_revision
@@ -106,7 +121,7 @@ def _prepare(caller: Caller, request: AdmissionRequest) -> Context:
     keyed = None if version is None or memo_off else memo_key(request, version)
     prepared = None if keyed is None else _remembered(caller, keyed[0], resolved)
     if prepared is None:
-        prepared = _decide(caller, request, resolved, drifted)
+        prepared = _decide(caller, request, resolved, drifted, confirm)
         if keyed is not None and memoizable(prepared.decision):
             decision_memo().put(keyed[0], prepared, keyed[1])
         decision = prepared.decision
@@ -150,7 +165,9 @@ def _counter_for(
     return counter_for
 
 
-def _provider_count(count: ProviderCount, drifted: frozenset[tuple[str, str]]) -> ProviderCount:
+def _provider_count(
+    count: ProviderCount, drifted: frozenset[tuple[str, str]], confirm: Callable[[], object] | None
+) -> ProviderCount:
     """The providers' counts of this admission: a model whose provider count drifted out of the policy's bound
     (``onExceeded: COUNTING_UNAVAILABLE``) cannot be counted by it (for a provider-counted model its local
     counter already refuses; an OpenAI model's bound counter is asked here)."""
@@ -160,13 +177,19 @@ def _provider_count(count: ProviderCount, drifted: frozenset[tuple[str, str]]) -
             raise CountingUnavailable(
                 f"the PROVIDER_COUNT counter of {spec.id} drifted out of the policy's counterDrift bound"
             )
+        if confirm is not None:
+            confirm()
         return count(spec, payload, digest)
 
     return provider_count
 
 
 def _decide(
-    caller: Caller, request: AdmissionRequest, r: Resolved, drifted: frozenset[tuple[str, str]]
+    caller: Caller,
+    request: AdmissionRequest,
+    r: Resolved,
+    drifted: frozenset[tuple[str, str]],
+    confirm: Callable[[], object] | None,
 ) -> Prepared:
     try:
         components = parse_components(request.components, limits=LIMITS)
@@ -188,7 +211,7 @@ def _decide(
                 counter_for=_counter_for(caller, drifted),
                 cache=cache,
                 provider_count=_provider_count(
-                    provider_count_for(r.pool, caller.snapshot.models, cache), drifted
+                    provider_count_for(r.pool, caller.snapshot.models, cache), drifted, confirm
                 ),
                 known=cache.texts,
             )
@@ -383,13 +406,25 @@ def admit(
 
     Its latency is observed per rung (``REJECTED`` for a refusal) for the metrics; its span carries
     identifiers and the answer's code, never the request's text.
+
+    An unchecked caller (``Caller.checked_version``: authenticated from the process's catalog snapshot with no
+    statement) is confirmed by the reserving statement of a new reservation, which requires the catalog at
+    the snapshot's version. Before any other answer — a refusal, shadow mode, the queue, a replay — the
+    catalog version is read (``_Confirmation``): the answer stands if it is the snapshot's, and if the
+    catalog moved, CatalogUnchecked is raised with nothing written and the caller makes the admission again
+    after the catalog read.
     """
     started = time.perf_counter()
     names = {"tokenbudget.tenant": request.tenant_id, "tokenbudget.task_class": request.task_class}
     with tracing.span("admission", names) as span:
+        confirmation = _Confirmation(caller)
         try:
-            result = _admit(caller=caller, request=request, raw=raw, idempotency_key=idempotency_key, now=now)
+            result = _admit(
+                confirmation=confirmation, request=request, raw=raw, idempotency_key=idempotency_key, now=now
+            )
         except DomainError as exc:
+            # A refusal decided on the snapshot stands only if it is current.
+            confirmation.confirmed(exc)
             metrics.observe_admission_latency(time.perf_counter() - started, "REJECTED")
             span.set_attributes({"tokenbudget.answer": exc.code, "tokenbudget.rung": "REJECTED"})
             raise
@@ -401,19 +436,22 @@ def admit(
 
 
 def _admit(
-    *, caller: Caller, request: AdmissionRequest, raw: Any, idempotency_key: str, now: datetime
+    *, confirmation: _Confirmation, request: AdmissionRequest, raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
+    caller = confirmation.caller
+    confirm = None if caller.checked else confirmation.confirmed
     if not idempotency_key or len(idempotency_key) > 200:
         raise InvalidInput(
             "the Idempotency-Key header is required (at most 200 characters)", code="IDEMPOTENCY_KEY_REQUIRED"
         )
-    ctx = _prepare(caller, request)
+    ctx = _prepare(caller, request, confirm)
     decision = ctx.decision
     request_digest = request_fingerprint(ctx)
     mode = _mode(ctx)
     manifest = _manifest(ctx, decision, mode, raw)
     body = _decision_body(ctx, decision)
     if mode == RolloutMode.SHADOW or not decision.fits:
+        confirmation.confirmed()
         # Nothing will be reserved: a retry of a key that was admitted earlier still answers its replay.
         earlier = ledger_admission.find_by_idempotency_key(
             tenant=ctx.tenant, idempotency_key=idempotency_key, rendered_digest=request_digest
@@ -472,6 +510,8 @@ def _admit(
                 now=now,
                 db_now=caller.db_now,
                 catalog_version=caller.snapshot.version,
+                checked_version=confirmation.caller.checked_version,
+                confirm=None if confirmation.caller.checked else confirmation.confirmed,
                 record=lambda state: _manifest_insert(
                     manifest, Answer.QUEUED if state == State.PROPOSED else Answer.RESERVED
                 ),
@@ -486,6 +526,23 @@ def _admit(
     if admitted.replayed:
         return _replay(admitted.reservation)
     return _answer(admitted.reservation)
+
+
+class _Confirmation:
+    """An admission's caller, confirmed current once (see ``admit``): ``confirmed()`` reads the catalog
+    version for an unchecked caller (one statement, the one the checked path starts with), raises
+    CatalogUnchecked if it is not the snapshot's, and from then on the caller is checked."""
+
+    def __init__(self, caller: Caller) -> None:
+        self.caller = caller
+
+    def confirmed(self, cause: BaseException | None = None) -> Caller:
+        if not self.caller.checked:
+            current, db_now = snapshot.current()
+            if current.version != self.caller.snapshot.version:
+                raise CatalogUnchecked from cause
+            self.caller = dataclasses.replace(self.caller, db_now=db_now, checked=True)
+        return self.caller
 
 
 def _first_body(reservation: Reservation, body: dict[str, Any]) -> dict[str, Any]:

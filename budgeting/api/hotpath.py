@@ -20,11 +20,12 @@ handler's). Anything else — a missing or malformed header, an unknown token, a
 judge, another content type — goes on to Django and DRF unchanged, and is answered as before, nothing having
 been written (``tests/api/test_hotpath.py`` checks both ways answer alike).
 
-One statement fewer than the view: a lifecycle call whose first statement is the reservation's read
-(``LifecycleCall.checks_catalog``) is authenticated without the catalog version read
-(``caller_for_token(checked=False)``), since that read compares the version itself; when it cannot
-(``CatalogUnchecked``: the catalog moved, nothing was found, the read failed), nothing has been written and
-the call is made again after the catalog read.
+One statement fewer than the view: an admission, and a lifecycle call whose first statement is the
+reservation's read (``LifecycleCall.checks_catalog``), are authenticated without the catalog version read
+(``caller_for_token(checked=False)``), since their statement compares the version itself (the admission's
+reserving statement requires it; any other answer of an admission is made again with the catalog read:
+``orchestrator.admit``); when it cannot (``CatalogUnchecked``: the catalog moved, nothing was found, the
+statement failed), nothing has been written and the call is made again after the catalog read.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def _called(request: HttpRequest, call: Call, caller: Caller) -> operations.Answ
 
 def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str, Call, bool] | None:
     """The view a plainly well-formed hot request is for, its bearer token, the call to run given the caller
-    and whether that call checks an unchecked caller's catalog version itself (``LifecycleCall``); None for
-    any other request."""
+    and whether that call checks an unchecked caller's catalog version itself (the admission,
+    ``LifecycleCall``); None for any other request."""
     if request.method != "POST" or not request.path_info.startswith(_PREFIX):
         return None
     meta = request.META
@@ -130,6 +131,7 @@ def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str
     checks_catalog = False
     if view is views.AdmissionView:
         call = _admission(request)
+        checks_catalog = True
     elif view is views.UsageReportsView:
         call = _usage_reports(request)
     elif isinstance(view, type) and issubclass(view, views.LifecycleView):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 
 from django.conf import settings
@@ -46,6 +47,7 @@ def applicable_accounts(
     pool: ModelPool,
     now: datetime,
     catalog_version: int | None = None,
+    confirm: Callable[[], object] | None = None,
 ) -> list[CapacityAccount]:
     """The accounts a request for (tenant, task class, pool) holds on, in lock order.
 
@@ -54,6 +56,9 @@ def applicable_accounts(
     balances are never cached: they are read inside the reserving UPDATE.
     A tenant × task-class account that does not exist yet is created from the task class's defaults; many
     threads doing it at once is safe (INSERT … ON CONFLICT DO NOTHING on the partial unique index).
+    ``confirm``: for a caller whose catalog snapshot is not confirmed current (``Caller.checked_version``):
+    called before anything that may write (the list not cached for ``catalog_version``, a period to roll
+    over); it raises CatalogUnchecked when the catalog moved.
     """
     key = (tenant.pk, task_class.pk, pool.pk)
     with _ACCOUNTS_LOCK:
@@ -64,10 +69,14 @@ def applicable_accounts(
     ):
         accounts = cached[2]
     else:
+        if confirm is not None:
+            confirm()
         accounts = _remember(
             key, catalog_version, _load_accounts(tenant=tenant, task_class=task_class, pool=pool, now=now)
         )
     if any(account.period_start < _current_period_start(account, now) for account in accounts):
+        if confirm is not None:
+            confirm()
         for account in accounts:
             roll_over(account_id=account.pk, now=now)
         # The roll-over bumped the catalog version: this list is kept only until the next request reads it.

@@ -10,9 +10,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, transaction
 
-from budgeting.catalog.errors import Conflict
+from budgeting.catalog.errors import CatalogUnchecked, Conflict
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from budgeting.catalog.prices import FrozenPrice
 from budgeting.db.cursor import db_now as read_db_now
@@ -22,7 +22,7 @@ from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, Qu
 from ledger.models import CapacityAccount, Reservation, State, new_reservation_id
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
 from ledger.services.postings import hold_new_reservation, hold_queued_reservation
-from ledger.services.retries import with_retries
+from ledger.services.retries import RETRIED_SQLSTATES, sqlstate_of, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ def reserve(
     now: datetime,
     db_now: datetime | None = None,
     catalog_version: int | None = None,
+    checked_version: int | None = None,
+    confirm: Callable[[], object] | None = None,
     record: Callable[[str], RecordInsert] | None = None,
 ) -> Admitted:
     """Hold input, output and one concurrency slot on every applicable account, in one transaction.
@@ -167,6 +169,12 @@ def reserve(
     in the same transaction — by the reserving statement itself — so it commits with the reservation or not at
     all; the reservation references it.
     ``db_now`` is the database clock the lease is measured from (read now when not given).
+    ``checked_version`` and ``confirm``: the caller is unchecked (``Caller.checked_version``). The reserving
+    statement requires the catalog at that version; before any other answer — a refusal, the queue, a
+    replay, accounts to create or roll over first — ``confirm()`` reads the catalog version (raising
+    CatalogUnchecked, nothing written, when it moved: the caller makes the admission again after the catalog
+    read). A statement that failed on its connection (a kept one that died) is CatalogUnchecked too: the
+    catalog read reconnects; had it been applied, the Idempotency-Key replays it.
 
     Money is held with the tokens, at ``spec.price`` (frozen on the reservation), on the accounts kept in
     its currency.
@@ -176,18 +184,33 @@ def reserve(
     queue admits it), or the earlier reservation for the same idempotency key (replayed=True, nothing
     written).
     Raises QuotaExceeded (nothing written), PriceUnavailable, IdempotencyConflict, Conflict
-    PROVIDER_REQUEST_ID_IN_USE, or Contention after repeated deadlocks.
+    PROVIDER_REQUEST_ID_IN_USE, Contention after repeated deadlocks, or CatalogUnchecked (above).
     """
     # No look-up of the key first: the unique index answers a retry (IntegrityError below), which keeps the
     # common path of a new key one query shorter.
+    guard = checked_version
+
+    def confirmed() -> None:
+        # The caller is confirmed current: what follows, even this admission's own writes that move the
+        # catalog version (an account created), needs no check.
+        nonlocal guard
+        if confirm is not None:
+            confirm()
+        guard = None
+
     accounts = applicable_accounts(
         tenant=spec.tenant,
         task_class=spec.task_class,
         pool=spec.pool,
         now=now,
         catalog_version=catalog_version,
+        confirm=None if confirm is None else confirmed,
     )
-    require_price(accounts, spec.price)
+    try:
+        require_price(accounts, spec.price)
+    except PriceUnavailable:
+        confirmed()
+        raise
 
     def attempt() -> Reservation:
         clock = db_now or read_db_now()
@@ -212,7 +235,12 @@ def reserve(
                 reservation,
                 [a.pk for a in accounts],
                 None if record is None else record(State.RESERVED),
+                catalog_version=guard,
             )
+        except (OperationalError, InterfaceError) as error:
+            if guard is None or sqlstate_of(error) in RETRIED_SQLSTATES:
+                raise
+            raise CatalogUnchecked from error
         except HoldRefused as refused:
             raise ShortageSignal(next(a for a in accounts if a.pk in refused.account_ids)) from None
         if record_id is not None:
@@ -222,6 +250,7 @@ def reserve(
     try:
         return Admitted(with_retries(attempt), replayed=False)
     except IntegrityError as error:
+        confirmed()
         try:
             return _replay_of(spec, error)
         except IntegrityError:
@@ -229,6 +258,7 @@ def reserve(
                 raise
             raise provider_request_id_in_use(spec.provider_request_id) from None
     except ShortageSignal as signal:
+        confirmed()
         problem = shortage(
             signal.account,
             input_tokens=spec.input_tokens,

@@ -333,14 +333,19 @@ def _post_spend(posts: Postings) -> None:
 
 
 def hold_new_reservation(
-    reservation: Reservation, account_ids: Sequence[int], record: RecordInsert | None = None
+    reservation: Reservation,
+    account_ids: Sequence[int],
+    record: RecordInsert | None = None,
+    *,
+    catalog_version: int | None = None,
 ) -> int | None:
     """Insert a new reservation and hold on every account (``statements.hold``): ONE statement, a transaction
     of its own (no BEGIN and COMMIT round trips). With ``record``, the same statement inserts the caller's
     record first and the reservation references it; returns the record's id.
 
     Raises HoldRefused (nothing written) when an account's limits refuse, IntegrityError for an
-    Idempotency-Key (or a providerRequestId of the tenant) already used. The reservation row is new, so
+    Idempotency-Key (or a providerRequestId of the tenant) already used, CatalogUnchecked (nothing written)
+    when the catalog is not at ``catalog_version`` (``statements.hold``). The reservation row is new, so
     nothing else can be waiting on it.
     """
     _post_admission_spend(reservation)
@@ -357,6 +362,7 @@ def hold_new_reservation(
             None if record is None else (record.sql, record.params),
             reason="dispatched at admission" if reservation.state == State.DISPATCHED else "",
             currency=reservation.currency,
+            catalog_version=catalog_version,
         )
 
 

@@ -15,6 +15,9 @@ from ledger.errors import (
 
 logger = logging.getLogger(__name__)
 
+# Deadlock detected, serialization failure: the transaction may succeed if run again.
+RETRIED_SQLSTATES = frozenset({"40P01", "40001"})
+
 
 T = TypeVar("T")
 
@@ -31,9 +34,14 @@ def with_retries(operation: Callable[[], T]) -> T:
         try:
             return operation()
         except OperationalError as exc:
-            sqlstate = getattr(getattr(exc, "__cause__", None), "sqlstate", None)
-            if sqlstate not in {"40P01", "40001"}:
+            sqlstate = sqlstate_of(exc)
+            if sqlstate not in RETRIED_SQLSTATES:
                 raise
             logger.warning("retrying after %s (attempt %d)", sqlstate, attempt)
             time.sleep(0.005 * attempt)
     raise Contention("database contention; retry")
+
+
+def sqlstate_of(error: BaseException) -> str | None:
+    """The SQLSTATE of the database error behind a Django database error, if any."""
+    return getattr(getattr(error, "__cause__", None), "sqlstate", None)

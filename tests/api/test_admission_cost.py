@@ -25,6 +25,7 @@ from budgeting.catalog.tokens import issue_token, revoke_token
 from ledger.models import CapacityAccount, LedgerEntry, Outcome, Reservation, State
 from ledger.selectors import audit
 from tests.api.test_admissions import TOKEN, request_body
+from tests.api.test_hotpath import support_request
 from tests.dbwork import DbWork, count_db_work, second_connection
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -53,6 +54,8 @@ def test_a_warm_admission_is_one_transaction_one_commit_and_few_statements(demo_
     admit(demo_api, 0)  # warms the process: catalog snapshot, accounts, count cache
     body, work = admit(demo_api, 1)
     assert len(work.statements) <= MAX_ADMISSION_STATEMENTS, work.summary()
+    # Through the hot path, ONE: the reserving statement, which checks the catalog version itself.
+    assert len(work.statements) == 1 and GUARD in work.statements[0], work.summary()
     assert work.commits == 1, work.summary()
     assert work.transactions <= 2, work.summary()
     # The one commit is the reserving statement's own: no BEGIN and COMMIT round trips around it.
@@ -224,12 +227,13 @@ def start_request_as_the_server_does() -> None:
 
 
 def test_the_connection_health_check_costs_no_statement_of_its_own(demo_api):
-    """Django would send SELECT 1 before a request's first statement on a kept connection; the catalog
-    version read, which every API request sends first anyway, is the check."""
+    """Django would send SELECT 1 before a request's first statement on a kept connection; the statement
+    every API request sends first anyway (the catalog version read, or the admission's reserving statement
+    that checks the version itself) is the check."""
     admit(demo_api, 0)
     start_request_as_the_server_does()
     _, work = admit(demo_api, 1)
-    assert len(work.sent) == len(work.statements) == 2, (work.sent, work.summary())
+    assert len(work.sent) == len(work.statements) == 1, (work.sent, work.summary())
     assert "SELECT 1" not in work.sent
     # Negative control: the recorder sees Django's own check when something else is the first statement.
     start_request_as_the_server_does()
@@ -262,7 +266,9 @@ def test_a_kept_connection_that_died_is_replaced_before_the_request_uses_it(demo
 
 def test_the_reserving_statement_is_prepared_once_per_connection(demo_api):
     """Django turns prepared statements off unless asked (settings: prepare_threshold); the reserving
-    statement asks, so PostgreSQL plans it once per connection, not once per admission."""
+    statement asks, so PostgreSQL plans it once per connection, not once per admission. (Two texts: the
+    process's first admission reads the catalog and sends it without the version check, the next two with
+    it.)"""
     for n in range(3):
         admit(demo_api, n)
     with connection.cursor() as cursor:
@@ -271,7 +277,7 @@ def test_the_reserving_statement_is_prepared_once_per_connection(demo_api):
             "WHERE statement LIKE 'WITH record AS (INSERT INTO \"budgeting_manifest\"%%'"
         )
         rows = cursor.fetchall()
-    assert rows == [(3,)]
+    assert sorted(rows) == [(1,), (2,)]
 
 
 def psycopg_cursors_of_statements():
@@ -290,21 +296,22 @@ def psycopg_cursors_of_statements():
 
 
 def test_each_hot_statement_runs_on_one_cursor_kept_for_it_on_its_connection(demo_api, monkeypatch):
-    """psycopg keeps a cursor's adapters while it runs the same statement again: the version read and the
-    reserving statement each keep their own cursor for as long as the connection lives."""
-    admit(demo_api, 0)  # warms the process: the catalog's reads are over
+    """psycopg keeps a cursor's adapters while it runs the same statement again: each hot statement (the
+    version read, a lifecycle call's read, the reserving statement) keeps its own cursor for as long as the
+    connection lives."""
+    body, _ = admit(demo_api, 0)  # warms the process: the catalog's reads are over
     ran, execute = psycopg_cursors_of_statements()
     monkeypatch.setattr(psycopg.Cursor, "execute", execute)
     for n in range(1, 4):
         admit(demo_api, n)
-    assert len(ran) == 2, list(ran)  # the version read and the reserving statement
-    version_read, reserving = ran.values()
-    assert version_read is not reserving
-    assert not version_read.closed and not reserving.closed
+    cancel(demo_api, body)
+    assert len(ran) == 3, list(ran)  # the reserving statement, the reservation's read, the cancel's write
+    kept = {id(cursor) for cursor in ran.values()}
+    assert len(kept) == 3 and not any(cursor.closed for cursor in ran.values())
     connection.close()  # a new connection: new cursors, none of the old connection's
     ran.clear()
     admit(demo_api, 4)
-    assert len(ran) == 2 and not {id(c) for c in ran.values()} & {id(version_read), id(reserving)}
+    assert len(ran) == 1 and not {id(c) for c in ran.values()} & kept
     assert all(cursor.connection is connection.connection for cursor in ran.values())
 
 
@@ -335,6 +342,9 @@ def cancel(api_client: APIClient, body: dict) -> tuple[Any, DbWork]:
             f"/api/v1/reservations/{body['reservationId']}/cancel", {"fence": 1}, format="json"
         )
     return res, work
+
+
+GUARD = "ledger_require_catalog_version"
 
 
 def version_reads(work: DbWork) -> int:
@@ -389,6 +399,105 @@ def test_a_token_revoked_since_the_process_read_the_catalog_is_refused_before_an
     assert work.autocommit_writes == work.explicit_commits == 0, work.summary()
     assert Reservation.objects.get(pk=second["reservationId"]).state == State.RESERVED
     assert LedgerEntry.objects.count() == entries
+
+
+def test_an_admission_after_a_catalog_change_is_made_again_after_the_catalog_read(demo_api):
+    admit(demo_api, 0)  # the process reads the catalog
+    issue_token(
+        client_id=ServiceClient.objects.get(name="gateway-eu").pk,
+        reason="rotation",
+        actor=ACTOR,
+        now=timezone.now(),
+    )
+    body, work = admit(demo_api, 1)
+    # The reserving statement found another version and wrote nothing (it failed: the recorder counts it as
+    # sent); then the catalog read (and the snapshot's reload) and the reserving statement again, unguarded.
+    assert GUARD in work.statements[0] and GUARD not in work.statements[-1], work.summary()
+    assert work.statements[-1].startswith("WITH record AS"), work.summary()
+    assert version_reads(work) == 1 and work.autocommit_writes == 2, work.summary()
+    assert Manifest.objects.filter(request_id="cost-1").count() == 1
+    assert Reservation.objects.get(pk=body["reservationId"]).state == State.RESERVED
+    # Current again: the next admission is one statement.
+    _, work = admit(demo_api, 2)
+    assert len(work.statements) == 1 and GUARD in work.statements[0], work.summary()
+
+
+def test_a_token_revoked_since_the_process_read_the_catalog_is_not_admitted(demo_api, monkeypatch):
+    admit(demo_api, 0)
+    token = ApiToken.objects.get(token_hash=hash_token(TOKEN))
+    assert revoke_token(token_id=token.pk, reason="leaked", actor=ACTOR, now=timezone.now())
+    # Negative control: without the reserving statement's check, the snapshot this process read before the
+    # revocation would admit the revoked token.
+    with monkeypatch.context() as patched:
+        patched.setattr(Caller, "checked_version", property(lambda caller: None))
+        control = demo_api.post(
+            "/api/v1/admissions",
+            request_body(requestId="cost-control"),
+            format="json",
+            HTTP_IDEMPOTENCY_KEY="cost-control",
+        )
+    assert control.status_code == 201, control.content[:300]
+    written = (Reservation.objects.count(), Manifest.objects.count(), LedgerEntry.objects.count())
+    body = request_body(requestId="cost-revoked")
+    with count_db_work() as work:
+        res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="cost-revoked")
+    assert res.status_code == 401, res.content[:300]
+    # The one write sent is the reserving statement, which found another catalog version and failed; then the
+    # catalog read, which knows the token no more (and the view's own, which refuses it).
+    assert GUARD in work.statements[0] and version_reads(work) >= 1, work.summary()
+    assert work.autocommit_writes == 1 and work.explicit_commits == 0, work.summary()
+    assert (Reservation.objects.count(), Manifest.objects.count(), LedgerEntry.objects.count()) == written
+
+
+def test_an_admission_replayed_or_refused_is_answered_after_the_catalog_read(demo_api):
+    """Only a new reservation is answered without the catalog read: a replay and a refusal are made again
+    with it (nothing written the first time), and the refusal's manifest is recorded once."""
+    first, _ = admit(demo_api, 0)
+    reservations = Reservation.objects.count()
+    body = request_body(requestId="cost-0")
+    with count_db_work() as work:
+        res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="cost-0")
+    assert res.status_code == 200 and res["Idempotent-Replayed"] == "true", res.content[:300]
+    assert res.json()["reservationId"] == first["reservationId"]
+    # The key's unique index refused the guarded statement (so its version check passed or not: unknown);
+    # the catalog read, the statement again, refused again, and the replay read.
+    assert GUARD in work.statements[0] and version_reads(work) == 1, work.summary()
+    assert Reservation.objects.count() == reservations
+    # A question no rung can fit: refused, its manifest recorded once, after the catalog read.
+    too_big = request_body(requestId="cost-big")
+    too_big["components"]["question"] = {"text": "Is this clause enforceable? " * 16000}
+    with count_db_work() as work:
+        res = demo_api.post("/api/v1/admissions", too_big, format="json", HTTP_IDEMPOTENCY_KEY="cost-big")
+    assert res.status_code == 422 and res.json()["code"] == "CONTEXT_BUDGET_EXCEEDED", res.content[:300]
+    assert version_reads(work) == 1, work.summary()
+    assert Manifest.objects.filter(request_id="cost-big").count() == 1
+    # An unknown tenant (the snapshot's answer, which may be out of date): again after the catalog read.
+    unknown = request_body(requestId="cost-nobody", tenantId="t-nobody")
+    with count_db_work() as work:
+        res = demo_api.post("/api/v1/admissions", unknown, format="json", HTTP_IDEMPOTENCY_KEY="cost-nobody")
+    assert res.status_code == 404 and res.json()["code"] == "TENANT_NOT_FOUND", res.content[:300]
+    assert version_reads(work) == 1 and work.autocommit_writes == 0, work.summary()
+
+
+def test_an_admission_that_creates_its_account_confirms_the_catalog_first_and_is_admitted_once(demo_api):
+    """t-internal × support-chat has no account until its first admission creates it from the task class's
+    defaults, which moves the catalog version: the catalog is read before that write, and the reserving
+    statement, the caller confirmed, does not check the version its own admission moved."""
+    admit(demo_api, 0)  # the process reads the catalog (t-19 × contract-review)
+    assert not CapacityAccount.objects.filter(
+        tenant__slug="t-internal", task_class__slug="support-chat"
+    ).exists()
+    body = support_request("cost-new-account")
+    with count_db_work() as work:
+        res = demo_api.post(
+            "/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="cost-new-account"
+        )
+    assert res.status_code == 201, res.content[:300]
+    assert version_reads(work) == 1, work.summary()
+    reserving = [sql for sql in work.statements if sql.startswith("WITH record AS")]
+    assert len(reserving) == 1 and GUARD not in reserving[0], work.summary()
+    assert CapacityAccount.objects.filter(tenant__slug="t-internal", task_class__slug="support-chat").exists()
+    assert Reservation.objects.get(pk=res.json()["reservationId"]).state == State.RESERVED
 
 
 def test_an_unknown_reservation_is_answered_after_the_catalog_read(demo_api):

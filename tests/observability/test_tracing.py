@@ -17,6 +17,7 @@ from tokenbudget_gateway.transport import ApiResponse
 from tokenbudget_litellm.calls import Calls
 from tokenbudget_litellm.mapping import Caller, to_admission
 
+from budgeting.catalog import snapshot
 from budgeting.observability import tracing
 from tests.api.test_admissions import request_body
 from tests.integrations.test_litellm_calls import GRANT, ScriptedApi, run
@@ -34,6 +35,15 @@ def _set_global_provider(provider: trace.TracerProvider | None) -> None:
     trace._TRACER_PROVIDER = None
     if provider is not None:
         trace.set_tracer_provider(provider)
+
+
+@pytest.fixture
+def read_catalog(demo_api):
+    """The demo provisioned and this process's catalog snapshot current, as a serving process's is but right
+    after a change (then an admission is decided again after the catalog read, and traced twice:
+    tests/api/test_admission_cost.py)."""
+    snapshot.current()
+    return demo_api
 
 
 @pytest.fixture
@@ -75,7 +85,8 @@ def parent_of(span: ReadableSpan) -> int | None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_admission_continues_the_gateways_trace_with_its_steps_as_spans(spans, demo_api):
+def test_an_admission_continues_the_gateways_trace_with_its_steps_as_spans(spans, read_catalog):
+    demo_api = read_catalog
     body = request_body(requestId="trace-1")
     res = demo_api.post(
         "/api/v1/admissions",
@@ -120,7 +131,8 @@ def test_an_admission_continues_the_gateways_trace_with_its_steps_as_spans(spans
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_refusal_is_an_answer_on_the_span_without_its_message(spans, demo_api):
+def test_a_refusal_is_an_answer_on_the_span_without_its_message(spans, read_catalog):
+    demo_api = read_catalog
     body = request_body(requestId="trace-2", policyRevision=999)
     res = demo_api.post("/api/v1/admissions", body, format="json", HTTP_IDEMPOTENCY_KEY="trace-2")
     assert res.status_code == 409, res.content[:300]
