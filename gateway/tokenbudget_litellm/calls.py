@@ -3,10 +3,10 @@
 ``Calls`` makes the calls to our API, as coroutines of the proxy's event loop: admit (waiting out a queue
 up to ``queue_wait_s``, and recording the dispatch in the same call), dispatch (only where the admission
 could not record it), the final usage (sent with other calls' final usages: ``reports``), ``fail``,
-``cancel``, lease renewals. A ``Ticket`` is what an
-admission grants and what the later hooks need; it rides in the request's metadata. Our API's refusals
-become ``Refusal``s carrying the status, the problem and ``Retry-After`` the proxy's client must see; an
-unreachable API raises ``ApiUnavailable`` and the hook decides (fail closed, or open if configured).
+``cancel``, lease renewals. A ``Ticket`` is what an admission grants and what the later hooks need; it rides
+in the request's metadata. Our API's refusals become ``Refusal``s carrying the status, the problem and
+``Retry-After`` the proxy's client must see; an unreachable API raises ``ApiUnavailable`` and the hook
+decides (fail closed, or open if configured).
 
 ``request_sent_of`` says what ``/fail`` may claim about a failed provider call: ``False`` only with proof
 of non-processing (the provider answered a status that documents it, or refused the connection),
