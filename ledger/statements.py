@@ -55,6 +55,11 @@ CHANGED_SQLSTATE = "TB409"
 CATALOG_MOVED_SQLSTATE = "TB412"
 
 
+def sqlstate_of(error: BaseException) -> str | None:
+    """The SQLSTATE of the database error behind a Django database error, if any."""
+    return getattr(getattr(error, "__cause__", None), "sqlstate", None)
+
+
 def _columns(row: str, columns: Sequence[str], between: str = ", ") -> str:
     return between.join(f"{row}.{column}" for column in columns)
 
@@ -172,7 +177,7 @@ def hold(
             cursor.execute(statement, params)
             record_id = cursor.fetchone()[-1]
     except DatabaseError as error:
-        if getattr(error.__cause__, "sqlstate", None) == CATALOG_MOVED_SQLSTATE:
+        if sqlstate_of(error) == CATALOG_MOVED_SQLSTATE:
             raise CatalogUnchecked from None
         refused = _refused_accounts(error)
         if refused is None:
@@ -183,9 +188,9 @@ def hold(
 
 def _refused_accounts(error: DatabaseError) -> set[int] | None:
     """The accounts ``ledger_require_holds`` names, or None for any other error."""
-    cause: Any = error.__cause__
-    if getattr(cause, "sqlstate", None) != REFUSED_SQLSTATE:
+    if sqlstate_of(error) != REFUSED_SQLSTATE:
         return None
+    cause: Any = error.__cause__
     return {int(part) for part in cause.diag.message_detail.split(",")}
 
 
@@ -352,7 +357,7 @@ def move_balances(
             )
             _, moved_ids = cursor.fetchone()
     except DatabaseError as error:
-        if getattr(error.__cause__, "sqlstate", None) == CHANGED_SQLSTATE:
+        if sqlstate_of(error) == CHANGED_SQLSTATE:
             raise RowChanged from None
         refused = _refused_accounts(error)
         if refused is None:

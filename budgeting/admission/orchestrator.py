@@ -439,12 +439,11 @@ def _admit(
     *, confirmation: _Confirmation, request: AdmissionRequest, raw: Any, idempotency_key: str, now: datetime
 ) -> Result:
     caller = confirmation.caller
-    confirm = None if caller.checked else confirmation.confirmed
     if not idempotency_key or len(idempotency_key) > 200:
         raise InvalidInput(
             "the Idempotency-Key header is required (at most 200 characters)", code="IDEMPOTENCY_KEY_REQUIRED"
         )
-    ctx = _prepare(caller, request, confirm)
+    ctx = _prepare(caller, request, confirmation.confirmed)
     decision = ctx.decision
     request_digest = request_fingerprint(ctx)
     mode = _mode(ctx)
@@ -511,7 +510,7 @@ def _admit(
                 db_now=caller.db_now,
                 catalog_version=caller.snapshot.version,
                 checked_version=confirmation.caller.checked_version,
-                confirm=None if confirmation.caller.checked else confirmation.confirmed,
+                confirm=confirmation.confirmed,
                 record=lambda state: _manifest_insert(
                     manifest, Answer.QUEUED if state == State.PROPOSED else Answer.RESERVED
                 ),
@@ -531,7 +530,8 @@ def _admit(
 class _Confirmation:
     """An admission's caller, confirmed current once (see ``admit``): ``confirmed()`` reads the catalog
     version for an unchecked caller (one statement, the one the checked path starts with), raises
-    CatalogUnchecked if it is not the snapshot's, and from then on the caller is checked."""
+    CatalogUnchecked if it is not the snapshot's, and from then on the caller is checked; for a checked
+    caller it does nothing."""
 
     def __init__(self, caller: Caller) -> None:
         self.caller = caller

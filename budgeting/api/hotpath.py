@@ -23,7 +23,7 @@ been written (``tests/api/test_hotpath.py`` checks both ways answer alike).
 One statement fewer than the view: an admission, and a lifecycle call whose first statement is the
 reservation's read (``LifecycleCall.checks_catalog``), are authenticated without the catalog version read
 (``caller_for_token(checked=False)``), since their statement compares the version itself (the admission's
-reserving statement requires it; any other answer of an admission is made again with the catalog read:
+reserving statement requires it; before any other answer the admission reads the version first:
 ``orchestrator.admit``); when it cannot (``CatalogUnchecked``: the catalog moved, nothing was found, the
 statement failed), nothing has been written and the call is made again after the catalog read.
 """

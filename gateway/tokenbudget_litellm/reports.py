@@ -58,8 +58,9 @@ class UsageReports:
         """Queue one report: a usage call's body with its ``reservationId``."""
         self._waiting.append(_Report(body, self._monotonic()))
         if self._sender is None or self._sender.done():
+            # An event of the running loop's (a loop's primitives serve no other).
             self._full = asyncio.Event()
-            self._sender = asyncio.get_running_loop().create_task(self._send_all())
+            self._sender = asyncio.get_running_loop().create_task(self._send_all(self._full))
         if len(self._waiting) >= MAX_REPORTS and self._full is not None:
             self._full.set()
 
@@ -71,9 +72,7 @@ class UsageReports:
             self._full.set()
         await asyncio.shield(self._sender)
 
-    async def _send_all(self) -> None:
-        full = self._full
-        assert full is not None
+    async def _send_all(self, full: asyncio.Event) -> None:
         while self._waiting:
             wait = self._waiting[0].queued_at + self._flush_s - self._monotonic()
             if wait > 0 and not full.is_set():

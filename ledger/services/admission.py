@@ -22,7 +22,8 @@ from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, Qu
 from ledger.models import CapacityAccount, Reservation, State, new_reservation_id
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
 from ledger.services.postings import hold_new_reservation, hold_queued_reservation
-from ledger.services.retries import RETRIED_SQLSTATES, sqlstate_of, with_retries
+from ledger.services.retries import RETRIED_SQLSTATES, with_retries
+from ledger.statements import sqlstate_of
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from django.db import OperationalError
 from ledger.errors import (
     Contention,
 )
+from ledger.statements import sqlstate_of
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,3 @@ def with_retries(operation: Callable[[], T]) -> T:
             logger.warning("retrying after %s (attempt %d)", sqlstate, attempt)
             time.sleep(0.005 * attempt)
     raise Contention("database contention; retry")
-
-
-def sqlstate_of(error: BaseException) -> str | None:
-    """The SQLSTATE of the database error behind a Django database error, if any."""
-    return getattr(getattr(error, "__cause__", None), "sqlstate", None)
