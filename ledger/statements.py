@@ -42,7 +42,7 @@ from typing import Any
 from django.db import DatabaseError, connection
 
 from budgeting.catalog.errors import CatalogUnchecked
-from budgeting.db.cursor import prepared_cursor
+from budgeting.db.cursor import prepared_cursor, sqlstate_of
 from ledger.errors import HoldRefused, RowChanged
 from ledger.models import BALANCES, CONSUMED_BALANCES, LIMITS, MONEY_BALANCES, CapacityAccount
 
@@ -53,11 +53,6 @@ CHANGED_SQLSTATE = "TB409"
 # The SQLSTATE of ledger_require_catalog_version (migration ledger 0017): the catalog moved since the caller's
 # snapshot was read.
 CATALOG_MOVED_SQLSTATE = "TB412"
-
-
-def sqlstate_of(error: BaseException) -> str | None:
-    """The SQLSTATE of the database error behind a Django database error, if any."""
-    return getattr(getattr(error, "__cause__", None), "sqlstate", None)
 
 
 def _columns(row: str, columns: Sequence[str], between: str = ", ") -> str:

@@ -1,4 +1,5 @@
-"""Below every room: the cursor for statements on the hot path, and the database clock."""
+"""Below every room: the cursor for statements on the hot path, the database clock, and what SQLSTATE a failed
+statement answered."""
 
 from __future__ import annotations
 
@@ -109,3 +110,8 @@ def db_now() -> datetime:
         cursor.execute("SELECT clock_timestamp()")
         now: datetime = cursor.fetchone()[0]
     return now
+
+
+def sqlstate_of(error: BaseException) -> str | None:
+    """The SQLSTATE of the database error behind a Django database error, if any."""
+    return getattr(getattr(error, "__cause__", None), "sqlstate", None)

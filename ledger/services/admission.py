@@ -16,6 +16,7 @@ from budgeting.catalog.errors import CatalogUnchecked, Conflict
 from budgeting.catalog.models import ModelPool, ModelRevision, RolloutMode, TaskClass, Tenant
 from budgeting.catalog.prices import FrozenPrice
 from budgeting.db.cursor import db_now as read_db_now
+from budgeting.db.cursor import sqlstate_of
 from budgeting.db.rows import RecordInsert
 from ledger import locks
 from ledger.errors import HoldRefused, IdempotencyConflict, PriceUnavailable, QuotaExceeded
@@ -23,7 +24,6 @@ from ledger.models import CapacityAccount, Reservation, State, new_reservation_i
 from ledger.services.accounts import ShortageSignal, applicable_accounts, shortage
 from ledger.services.postings import hold_new_reservation, hold_queued_reservation
 from ledger.services.retries import RETRIED_SQLSTATES, with_retries
-from ledger.statements import sqlstate_of
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ from typing import TypeVar
 
 from django.db import OperationalError
 
+from budgeting.db.cursor import sqlstate_of
 from ledger.errors import (
     Contention,
 )
-from ledger.statements import sqlstate_of
 
 logger = logging.getLogger(__name__)
 
