@@ -5,7 +5,9 @@
 
 ``gateway_bench.py`` gives what the hook adds to a call; this splits it. It starts what that bench starts
 (our API under gunicorn gthread on its own database, the provider simulator, real LiteLLM 1.110.2 proxies)
-for two arms: ``bare`` (no hook) and ``hook`` (``tokenbudget_litellm`` of this checkout). In both, the
+for three arms: ``bare`` (no hook), ``hook`` (``tokenbudget_litellm`` of this checkout) and ``stub`` (the
+same hook, whose API is ``gateway_bench.InstantApi``, answering every call at once: in each phase, ``stub`` −
+``bare`` is the hook's own cost and ``hook`` − ``stub`` our API's). In all three, the
 stamping callbacks of ``bench/phase_stamps.py`` are loaded first and last, around the hook: the moments
 LiteLLM calls the pre-call hooks and the deployment hooks (right before the provider call), stamped on the
 machine's monotonic clock, as is the client's sending and receiving of each call. One client sends the same
@@ -39,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from admission_bench import free_port, prepared_django  # noqa: E402
-from gateway_bench import REQUEST, serve_api, start_proxy  # noqa: E402
+from gateway_bench import REQUEST, InstantApi, real_grant, serve_api, start_proxy  # noqa: E402
 
 from tests.integrations.litellm_proxy import ensure_venv  # noqa: E402
 
@@ -80,7 +82,7 @@ def phases(stamps: Path, calls: dict[str, list[tuple[int, int]]]) -> dict[str, d
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=200, help="calls per arm per round")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
 
     url = prepared_django()
@@ -89,9 +91,12 @@ def main() -> None:
 
     venv, _ = ensure_venv()
     api_process, api = serve_api(url, "gthread")
+    instant = InstantApi(real_grant(api))
+    stub_api = instant.start(free_port())
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
-    calls: dict[str, list[tuple[int, int]]] = {"bare": [], "hook": []}
+    arms = ("bare", "hook", "stub")
+    calls: dict[str, list[tuple[int, int]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="gateway-phases-") as tmp:
         stamps = Path(tmp) / "stamps.txt"
         stamps.touch()
@@ -105,6 +110,9 @@ def main() -> None:
             "hook": start_proxy(
                 venv, Path(tmp) / "hook", sim, api, ROOT / "gateway", around=around, extra_env=env
             ),
+            "stub": start_proxy(
+                venv, Path(tmp) / "stub", sim, stub_api, ROOT / "gateway", around=around, extra_env=env
+            ),
         }
         clients: dict[str, httpx2.Client] = {}
         try:
@@ -115,7 +123,7 @@ def main() -> None:
                 for _ in range(20):  # warm-up, not counted
                     clients[arm].post("/v1/chat/completions", json=REQUEST)
             for round_ in range(args.rounds):
-                for arm in ("bare", "hook") if round_ % 2 == 0 else ("hook", "bare"):
+                for arm in arms[round_ % len(arms) :] + arms[: round_ % len(arms)]:
                     for _ in range(args.calls):
                         sent = time.perf_counter_ns()
                         answer = clients[arm].post("/v1/chat/completions", json=REQUEST)
@@ -130,6 +138,7 @@ def main() -> None:
             for proxy in proxies.values():
                 proxy.stop()
             simulator.stop()
+            instant.stop()
             api_process.terminate()
             api_process.wait(20)
 
@@ -137,14 +146,20 @@ def main() -> None:
         f"LiteLLM 1.110.2 proxy, 1 worker; our API: gunicorn gthread, 2 workers; one client, {args.rounds} "
         f"rounds × {args.calls} non-streaming calls per arm, alternated; medians, ms"
     )
-    print(f"{'phase':<30} {'bare':>8} {'hook':>8} {'hook-bare':>10}")
+    columns = ("bare", "hook", "stub", "hook-bare", "stub-bare", "hook-stub")
+    print(f"{'phase':<30} " + " ".join(f"{column:>10}" for column in columns))
     for name, _, _ in PHASES:
-        bare, hook = found["bare"].get(name), found["hook"].get(name)
-        bare_ms = statistics.median(bare) if bare else 0.0
-        hook_ms = statistics.median(hook) if hook else 0.0
-        print(f"{name:<30} {bare_ms:8.2f} {hook_ms:8.2f} {hook_ms - bare_ms:+10.2f}")
+        bare, hook, stub = (_median(found[arm].get(name)) for arm in arms)
+        print(
+            f"{name:<30} {bare:10.2f} {hook:10.2f} {stub:10.2f} {hook - bare:+10.2f} {stub - bare:+10.2f} "
+            f"{hook - stub:+10.2f}"
+        )
     matched = {arm: len(found[arm].get("the whole call", [])) for arm in found}
     print(f"calls matched to the proxy's stamps: {matched} of {args.rounds * args.calls} each")
+
+
+def _median(durations: list[float] | None) -> float:
+    return statistics.median(durations) if durations else 0.0
 
 
 if __name__ == "__main__":
