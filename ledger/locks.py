@@ -47,12 +47,22 @@ def read_reservation(reservation_id: uuid.UUID, tenant_ids: Iterable[int]) -> Re
     return found[0] if found else None
 
 
+def read_reservations(
+    reservation_ids: Sequence[uuid.UUID], tenant_ids: Iterable[int]
+) -> dict[uuid.UUID, Reservation]:
+    """``read_reservation`` of several reservations in one statement, by id (those found)."""
+    found = fetch_rows(
+        Reservation, _lock_sql(True, locked=False, many=True), [list(reservation_ids), list(tenant_ids)]
+    )
+    return {reservation.pk: reservation for reservation in found}
+
+
 # Read by no lifecycle write, and large: left deferred (an access reads them on demand).
 _DEFERRED = ("request_body", "response_body")
 
 
 @functools.cache
-def _lock_sql(scoped: bool, *, locked: bool) -> str:
+def _lock_sql(scoped: bool, *, locked: bool, many: bool = False) -> str:
     columns = ", ".join(
         f'r."{f.column}"' for f in Reservation._meta.concrete_fields if f.attname not in _DEFERRED
     )
@@ -64,7 +74,7 @@ def _lock_sql(scoped: bool, *, locked: bool) -> str:
         " clock_timestamp() AS db_now, p.adapter AS pool_adapter, p.provider_base_url AS pool_endpoint,"
         f" r.xmin::text AS row_version, ({CURRENT_VERSION_SQL}) AS catalog_version"
         f" FROM {Reservation._meta.db_table} r JOIN {ModelPool._meta.db_table} p ON p.id = r.model_pool_id"
-        f" WHERE r.id = %s{tenants}{' FOR UPDATE OF r' if locked else ''}"
+        f" WHERE r.id = {'ANY(%s::uuid[])' if many else '%s'}{tenants}{' FOR UPDATE OF r' if locked else ''}"
     )
 
 

@@ -20,12 +20,13 @@ handler's). Anything else — a missing or malformed header, an unknown token, a
 judge, another content type — goes on to Django and DRF unchanged, and is answered as before, nothing having
 been written (``tests/api/test_hotpath.py`` checks both ways answer alike).
 
-One statement fewer than the view: an admission, and a lifecycle call whose first statement is the
-reservation's read (``LifecycleCall.checks_catalog``), are authenticated without the catalog version read
-(``caller_for_token(checked=False)``), since their statement compares the version itself (the admission's
-reserving statement requires it; before any other answer the admission reads the version first:
-``orchestrator.admit``); when it cannot (``CatalogUnchecked``: the catalog moved, nothing was found, the
-statement failed), nothing has been written and the call is made again after the catalog read.
+One statement fewer than the view: an admission, the usage reports and a lifecycle call whose first
+statement is the reservation's read (``LifecycleCall.checks_catalog``), are authenticated without the catalog
+version read (``caller_for_token(checked=False)``), since their statement compares the version itself (the
+admission's reserving statement requires it; before any other answer the admission reads the version first:
+``orchestrator.admit``; the usage reports' read of their reservations: ``lifecycle.read_together``); when it
+cannot (``CatalogUnchecked``: the catalog moved, nothing was found, the statement failed), nothing has been
+written and the call is made again after the catalog read.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ def _plain_call(request: HttpRequest) -> tuple[type[views.TenantScopedView], str
         checks_catalog = True
     elif view is views.UsageReportsView:
         call = _usage_reports(request)
+        checks_catalog = True
     elif isinstance(view, type) and issubclass(view, views.LifecycleView):
         call = _lifecycle(request, view.action, match.kwargs["reservation_id"])
         checks_catalog = operations.LIFECYCLE[view.action].checks_catalog

@@ -69,6 +69,16 @@ def _dispatch(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
 
 
 def _usage(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
+    return _recorded_usage(caller, rid, body, caller.checked_version)
+
+
+def _recorded_usage(
+    caller: Caller,
+    rid: uuid.UUID,
+    body: dict[str, Any],
+    catalog_version: int | None,
+    read: lifecycle.Read | None = None,
+) -> Answer:
     usage = lifecycle.Usage(
         usage_event_id=body["usageEventId"],
         output_tokens=body["outputTokens"],
@@ -82,7 +92,8 @@ def _usage(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
         fence=body["fence"],
         usage=usage,
         now=timezone.now(),
-        catalog_version=caller.checked_version,
+        catalog_version=catalog_version,
+        read=read,
     )
     return _left(reservation, applied=applied)
 
@@ -91,17 +102,28 @@ def usage_reports(caller: Caller, body: dict[str, Any]) -> Answer:
     """``POST /reservations:usage``: each report as its own usage call, in order. A report its call would
     refuse (an unknown reservation, a stale fence…) gets that status and problem in its result, and the
     others go on; a dependency that is down fails the whole request (503), and sending it again is safe
-    (each report is idempotent by its ``usageEventId``)."""
-    results = []
+    (each report is idempotent by its ``usageEventId``).
+
+    The reports' reservations are read together first, in one statement (which checks an unchecked caller's
+    catalog version before anything is written), each report's write then applying only to the row version
+    read for it: one statement a report, not two. A second report of the same reservation reads it again."""
+    ids: list[uuid.UUID | None] = []
     for report in body["usage"]:
-        subject = report["reservationId"]
         try:
-            rid = uuid.UUID(subject)
+            ids.append(uuid.UUID(report["reservationId"]))
         except ValueError:
+            ids.append(None)
+    reads = lifecycle.read_together(
+        [rid for rid in ids if rid is not None], caller.tenant_ids, caller.checked_version
+    )
+    results = []
+    for report, rid in zip(body["usage"], ids, strict=True):
+        subject = report["reservationId"]
+        if rid is None:
             results.append(_refused(subject, NotFound("no such reservation")))
             continue
         try:
-            left = _usage(caller, rid, report).body
+            left = _recorded_usage(caller, rid, report, None, reads.pop(rid, None)).body
         except DomainError as exc:
             results.append(_refused(subject, exc))
             continue

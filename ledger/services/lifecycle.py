@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -84,28 +84,62 @@ def _checked(reservation: Reservation | None, fence: int, catalog_version: int |
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Read:
+    """A reservation read without a lock ahead of its write (``read_together``); ``row`` is None when it
+    was not found."""
+
+    row: Reservation | None
+
+
+def read_together(
+    reservation_ids: Sequence[uuid.UUID], tenant_ids: Iterable[int], catalog_version: int | None = None
+) -> dict[uuid.UUID, Read]:
+    """The first read of each write of a batch (``_written``'s), made for them all in one statement. With
+    ``catalog_version`` (an unchecked caller's) the read must find that version before anything is written:
+    CatalogUnchecked otherwise, and when nothing was found or the read failed (``_checked``); the batch's
+    writes then need no check of their own."""
+    try:
+        found = locks.read_reservations(reservation_ids, tenant_ids)
+    except (OperationalError, InterfaceError) as error:
+        if catalog_version is None:
+            raise
+        raise CatalogUnchecked from error
+    if catalog_version is not None and (
+        not found or any(row.catalog_version != catalog_version for row in found.values())  # type: ignore[attr-defined]
+    ):
+        raise CatalogUnchecked
+    return {rid: Read(found.get(rid)) for rid in reservation_ids}
+
+
 def _written(
     reservation_id: uuid.UUID,
     tenant_ids: Iterable[int],
     fence: int,
     use_case: Callable[[Reservation, Postings], T],
     catalog_version: int | None = None,
+    read: Read | None = None,
 ) -> T:
     """Run a use case whose write is ONE statement (``Postings.flush``): first on the row read without a
     lock, its write applying only to the row version it read — two statements that each commit themselves,
     no transaction and no lock held between them — and, when the row changed in between, again in a
     transaction under the row's lock. Either way the use case sees a committed state of the row and its write
-    applies to that state only. ``catalog_version``: see ``_checked``."""
+    applies to that state only. ``catalog_version``: see ``_checked``. ``read``: the row read already
+    (``read_together``), for the first attempt."""
     tenants = list(tenant_ids)
+    ahead = [] if read is None else [read]
 
     def unlocked() -> T:
         with own_transaction():
-            try:
-                found = locks.read_reservation(reservation_id, tenants)
-            except (OperationalError, InterfaceError) as error:
-                if catalog_version is None:
-                    raise
-                raise CatalogUnchecked from error
+            if ahead:
+                found = ahead.pop().row
+            else:
+                try:
+                    found = locks.read_reservation(reservation_id, tenants)
+                except (OperationalError, InterfaceError) as error:
+                    if catalog_version is None:
+                        raise
+                    raise CatalogUnchecked from error
             reservation = _checked(found, fence, catalog_version)
             version = reservation.row_version  # type: ignore[attr-defined]
             posts = Postings(reservation, held_account_ids(reservation), unchanged_since=version)
@@ -219,8 +253,10 @@ def record_usage(
     usage: Usage,
     now: datetime,
     catalog_version: int | None = None,
+    read: Read | None = None,
 ) -> tuple[Reservation, bool]:
-    """Capture one usage delta, idempotent by usageEventId; a final event settles (COMPLETED).
+    """Capture one usage delta, idempotent by usageEventId; a final event settles (COMPLETED). ``read``: the
+    reservation read already (``read_together``).
 
     Returns (reservation, applied); applied is False for an exact replay. Raises UsageEventConflict,
     StaleFence, InvalidTransition, NotFound.
@@ -246,7 +282,7 @@ def record_usage(
         return reservation, True
 
     try:
-        return _written(reservation_id, tenant_ids, fence, use_case, catalog_version)
+        return _written(reservation_id, tenant_ids, fence, use_case, catalog_version, read)
     except (IntegrityError, _AlreadyDone) as outcome:
         earlier = UsageEvent.objects.filter(
             reservation_id=reservation_id,
