@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TypeVar
@@ -92,6 +93,18 @@ class Read:
     row: Reservation | None
 
 
+@contextlib.contextmanager
+def _failed_read_unchecked(catalog_version: int | None) -> Iterator[None]:
+    """A read that fails for an unchecked caller (``catalog_version``: see ``_checked``) is CatalogUnchecked:
+    nothing has been written, and the call is made again after the catalog read."""
+    try:
+        yield
+    except (OperationalError, InterfaceError) as error:
+        if catalog_version is None:
+            raise
+        raise CatalogUnchecked from error
+
+
 def read_together(
     reservation_ids: Sequence[uuid.UUID], tenant_ids: Iterable[int], catalog_version: int | None = None
 ) -> dict[uuid.UUID, Read]:
@@ -99,12 +112,8 @@ def read_together(
     ``catalog_version`` (an unchecked caller's) the read must find that version before anything is written:
     CatalogUnchecked otherwise, and when nothing was found or the read failed (``_checked``); the batch's
     writes then need no check of their own."""
-    try:
+    with _failed_read_unchecked(catalog_version):
         found = locks.read_reservations(reservation_ids, tenant_ids)
-    except (OperationalError, InterfaceError) as error:
-        if catalog_version is None:
-            raise
-        raise CatalogUnchecked from error
     if catalog_version is not None and (
         not found or any(row.catalog_version != catalog_version for row in found.values())  # type: ignore[attr-defined]
     ):
@@ -134,12 +143,8 @@ def _written(
             if ahead:
                 found = ahead.pop().row
             else:
-                try:
+                with _failed_read_unchecked(catalog_version):
                     found = locks.read_reservation(reservation_id, tenants)
-                except (OperationalError, InterfaceError) as error:
-                    if catalog_version is None:
-                        raise
-                    raise CatalogUnchecked from error
             reservation = _checked(found, fence, catalog_version)
             version = reservation.row_version  # type: ignore[attr-defined]
             posts = Postings(reservation, held_account_ids(reservation), unchanged_since=version)
