@@ -69,13 +69,14 @@ def _dispatch(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
 
 
 def _usage(caller: Caller, rid: uuid.UUID, body: dict[str, Any]) -> Answer:
-    return _recorded_usage(caller, rid, body, caller.checked_version)
+    return _recorded_usage(caller, rid, body, catalog_version=caller.checked_version)
 
 
 def _recorded_usage(
     caller: Caller,
     rid: uuid.UUID,
     body: dict[str, Any],
+    *,
     catalog_version: int | None,
     read: lifecycle.Read | None = None,
 ) -> Answer:
@@ -123,7 +124,8 @@ def usage_reports(caller: Caller, body: dict[str, Any]) -> Answer:
             results.append(_refused(subject, NotFound("no such reservation")))
             continue
         try:
-            left = _recorded_usage(caller, rid, report, None, reads.pop(rid, None)).body
+            # The batch's read checked the catalog version: no write of it checks again.
+            left = _recorded_usage(caller, rid, report, catalog_version=None, read=reads.pop(rid, None)).body
         except DomainError as exc:
             results.append(_refused(subject, exc))
             continue
