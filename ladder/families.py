@@ -8,11 +8,13 @@ upper bound proven for it when counting is unavailable. A family not listed here
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar, cast
 
 import tiktoken
 from tokenizers import Tokenizer
@@ -129,6 +131,30 @@ def _sentencepiece_check(data: bytes) -> UpperBoundRule | None:
     return None
 
 
+T = TypeVar("T")
+
+_LOCK = threading.Lock()
+# The answers of checks of whole files (``checked_by_content``): a process sees a handful of files.
+_CHECKED: dict[tuple[str, bytes], object] = {}
+_CHECKED_KEPT = 64
+
+
+def checked_by_content(kind: str, data: bytes, check: Callable[[bytes], T]) -> T:
+    """``check(data)``, remembered by ``kind`` and the sha256 of ``data``. A check of a tokenizer file parses
+    all of it (DeepSeek-V3's 8 MB JSON, say), and provisioning checks every file a document names each time it
+    reads one. What ``check`` raises is raised again on the next call, not remembered."""
+    key = (kind, hashlib.sha256(data).digest())
+    with _LOCK:
+        if key in _CHECKED:
+            return cast(T, _CHECKED[key])
+    answer = check(data)
+    with _LOCK:
+        if len(_CHECKED) >= _CHECKED_KEPT:
+            _CHECKED.clear()
+        _CHECKED[key] = answer
+    return answer
+
+
 @dataclass(frozen=True)
 class Family:
     """One tokenizer family: its loader, the chat templates proven for it, and its file check and bound."""
@@ -142,9 +168,10 @@ class Family:
     def bound_rule(self, data: bytes) -> UpperBoundRule | None:
         """Return the upper-bound rule proven for this file of the family, or None.
 
-        Raises ValueError when the bytes are not a file of this family's format.
+        Raises ValueError when the bytes are not a file of this family's format. Remembered by the file's
+        content (``checked_by_content``).
         """
-        return self.check(data)
+        return checked_by_content(self.name, data, self.check)
 
 
 FAMILIES: dict[str, Family] = {
@@ -215,7 +242,6 @@ def get_family(name: str) -> Family:
         ) from None
 
 
-_LOCK = threading.Lock()
 # One counter per file content per process, and the digest of each file version seen (keyed by its stat).
 _BY_DIGEST: dict[str, SegmentCounter] = {}
 _DIGEST_BY_STAT: dict[tuple[str, str, int, int, int, int, int], str] = {}

@@ -6,6 +6,7 @@ never gets as far as a plan.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from datetime import datetime
@@ -36,11 +37,11 @@ from budgeting.catalog.models import (
 )
 from budgeting.catalog.policies import document_errors
 from budgeting.catalog.prices import to_micro
-from budgeting.catalog.tokenizer_assets import pinned_sha256, sha256_file
+from budgeting.catalog.tokenizer_assets import pinned_sha256
 from budgeting.provisioning.prices import CURRENCY, money_amount, read_prices
 from budgeting.provisioning.source import ProvisioningError, Reader, items
 from budgeting.provisioning.wanted import Wanted, known, wanted
-from ladder.families import FAMILIES, TOKENIZER_FAMILIES
+from ladder.families import FAMILIES, TOKENIZER_FAMILIES, checked_by_content
 from ladder.seams import is_deepseek_v3
 from ledger.models import CapacityAccount, Period, Scope
 from ledger.periods import period_start_for
@@ -134,7 +135,8 @@ def _tokenizers(doc: dict[str, Any], tokenizer_dir: Path) -> list[Wanted]:
         if not file_path.is_file():
             raise ProvisioningError(f"{path}.file", f"{file_path} does not exist (run ./platform to fetch)")
         name = r.get("name", str, required=True)
-        digest = sha256_file(file_path)
+        data = file_path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
         stated = r.get("sha256", str, "")
         if stated and stated != digest:
             raise ProvisioningError(f"{path}.sha256", f"{file_path} has sha256 {digest}, not {stated}")
@@ -145,7 +147,7 @@ def _tokenizers(doc: dict[str, Any], tokenizer_dir: Path) -> list[Wanted]:
                 f"{file_path} has sha256 {digest}, not the pinned {pinned} (./platform fetches it again)",
             )
         try:
-            rule = family.bound_rule(file_path.read_bytes())
+            rule = family.bound_rule(data)
         except ValueError:
             error = f"{file_path} is not a {family.name} tokenizer file"
             raise ProvisioningError(f"{path}.file", error) from None
@@ -184,15 +186,19 @@ def _check_deepseek_framing(file_path: Path, path: str) -> None:
     where DeepSeek-V3's pre-tokenizer must split them (``ladder.seams``), proven for that pre-tokenizer
     without a normaliser alone; another byte-level BPE may merge across those cuts and count more."""
     try:
-        document = json.loads(file_path.read_bytes())
+        framed = checked_by_content("deepseek-v3 pre-tokenizer", file_path.read_bytes(), _is_deepseek_v3_file)
     except (OSError, ValueError):
         raise ProvisioningError(path, f"{file_path} cannot be read as a tokenizers JSON file") from None
-    if not is_deepseek_v3(document):
+    if not framed:
         raise ProvisioningError(
             path,
             f"{file_path} does not pre-tokenize as DeepSeek-V3 (its pre_tokenizer or normalizer differs): "
             "the deepseek template's cuts are proven for DeepSeek-V3's pre-tokenizer alone",
         )
+
+
+def _is_deepseek_v3_file(data: bytes) -> bool:
+    return is_deepseek_v3(json.loads(data))
 
 
 def _pools(doc: dict[str, Any]) -> list[Wanted]:

@@ -9,7 +9,7 @@ import pytest
 
 from ladder.counting import CountingUnavailable
 from ladder.encoders import llama3_chunks
-from ladder.families import FAMILIES, get_family, load_counter
+from ladder.families import FAMILIES, checked_by_content, get_family, load_counter
 
 from .conftest import DEEPSEEK_FILE, TOKENIZER_DIR
 
@@ -56,6 +56,37 @@ def test_tiktoken_families_have_the_byte_bound_and_check_their_format() -> None:
         with pytest.raises(ValueError):
             get_family(name).bound_rule(DEEPSEEK_FILE.read_bytes())
     assert set(FILES) <= set(FAMILIES)
+
+
+def test_a_check_of_a_file_runs_once_per_content_and_kind_and_a_refusal_is_not_remembered() -> None:
+    seen: list[bytes] = []
+
+    def check(data: bytes) -> int:
+        seen.append(data)
+        if data == b"not a file of its family":
+            raise ValueError(data)
+        return len(data)
+
+    kind = f"test-{id(seen)}"  # a kind no other test checks under
+    assert checked_by_content(kind, b"one", check) == 3
+    assert checked_by_content(kind, b"one", check) == 3
+    assert seen == [b"one"]
+    assert checked_by_content(kind, b"other", check) == 5  # another content is checked
+    assert checked_by_content(f"{kind}-2", b"one", check) == 3  # so is the same content under another kind
+    assert seen == [b"one", b"other", b"one"]
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            checked_by_content(kind, b"not a file of its family", check)
+    assert seen[3:] == [b"not a file of its family"] * 2
+
+
+def test_a_family_refuses_a_file_not_its_own_after_accepting_its_own() -> None:
+    # The bound rule is remembered by content: a file of another format with the same family is still refused.
+    family = get_family("cl100k_base")
+    assert family.bound_rule(FILES["cl100k_base"].read_bytes()) == "UTF8_BYTES"
+    with pytest.raises(ValueError):
+        family.bound_rule(DEEPSEEK_FILE.read_bytes())
+    assert family.bound_rule(FILES["cl100k_base"].read_bytes()) == "UTF8_BYTES"
 
 
 def test_llama3_cuts_long_runs_where_meta_does() -> None:
