@@ -156,6 +156,7 @@ class Gunicorn:
     log: Path
     process: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    quit_seconds: int = 5
 
     def start(self) -> None:
         env = {
@@ -167,8 +168,10 @@ class Gunicorn:
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--bind",
-                 f"127.0.0.1:{self.port}", "--workers", "1", "--threads", "4", "--log-level", "warning"],
+                 f"127.0.0.1:{self.port}", "--workers", "1", "--threads", "4", "--log-level", "warning",
+                 "--graceful-timeout", str(self.quit_seconds)],
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )  # fmt: skip
         # Generous: on a busy machine gunicorn takes a while to import the app.
         deadline = time.monotonic() + 120
@@ -183,15 +186,18 @@ class Gunicorn:
         )
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """gunicorn's quick shutdown (SIGQUIT: its workers are killed after ``quit_seconds`` if they do not
+        stop), then SIGKILL to whatever of its session is left, the master included if it has not exited: a
+        worker outliving its master would keep serving, and holding connections to, the test database."""
+        if self.process is None:
             return
-        # SIGQUIT: gunicorn's quick shutdown (SIGTERM waits for its workers' graceful timeout).
-        self.process.send_signal(signal.SIGQUIT)
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(5)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGQUIT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(self.quit_seconds + 2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(5)
 
 
 @pytest.fixture
