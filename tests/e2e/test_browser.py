@@ -66,6 +66,10 @@ def browser() -> Iterator[object]:
             chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
             yield chromium
             chromium.close()
+            # The ORM calls made while Playwright runs (the test's, and those of its fixtures set up after
+            # this one) used a connection of their own: Playwright's greenlets carry their own context.
+            # Close it, or it is still open when the test database is dropped.
+            connections.close_all()
     finally:
         os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
@@ -260,6 +264,3 @@ def test_finance_platform_and_analyst_do_their_jobs_in_the_browser(browser, live
     finance_job(Screen(browser, live_server.url, "finance", width), world)
     platform_job(Screen(browser, live_server.url, "platform", width), world)
     analyst_job(Screen(browser, live_server.url, "analyst", width), world)
-    # Queries made here, between Playwright calls, ran on a connection of their own (Playwright's greenlets
-    # carry their own context); close it, or it would still be open when the test database is dropped.
-    connections.close_all()

@@ -15,7 +15,6 @@ import re
 from datetime import timedelta
 
 import pytest
-from django.db import connections
 from django.utils import timezone
 
 from budgeting.catalog.changes import Actor
@@ -214,4 +213,3 @@ def test_the_pages_people_read(browser, live_server, world, width):
     finance_reads(Screen(browser, live_server.url, "finance", width), world)
     platform_reads(Screen(browser, live_server.url, "platform", width), world)
     analyst_reads(Screen(browser, live_server.url, "analyst", width), world)
-    connections.close_all()
