@@ -410,29 +410,12 @@ def main() -> None:
                     servers.append(before_process)
                 before = start_proxy(venv, Path(tmp) / "before", sim, before_api, args.before)
                 arms.append(Arm("before", before, before_process.pid))
-            for arm in arms:
-                arm.client = httpx2.Client(
-                    base_url=arm.proxy.url,
-                    headers={"Authorization": f"Bearer {arm.proxy.master_key}"},
-                    timeout=60,
-                )
-                for _ in range(20):  # warm-up, not counted
-                    arm.call()
-                arm.latencies_ms.clear()
-                arm.overhead_ms.clear()
-            for round_ in range(args.rounds):
-                # Each round starts one arm further on, so no arm always follows the same one.
-                shift = round_ % len(arms)
-                for arm in arms[shift:] + arms[:shift]:
-                    arm.block(args.calls)
+            run_interleaved(arms, args.calls, args.rounds)
             time.sleep(3)  # the success hooks settle after the answer
             unsettled = Reservation.objects.exclude(state=State.SETTLED).count()
             audit = selectors.audit()
         finally:
-            for arm in arms:
-                if arm.client is not None:
-                    arm.client.close()
-                arm.proxy.stop()
+            close_arms(arms)
             simulator.stop()
             instant.stop()
             for process in servers:
@@ -508,6 +491,33 @@ def main() -> None:
         f"({audit.reservations_checked} reservations){problems}"
     )
     print(json.dumps(results))
+
+
+def run_interleaved(arms: list[Arm], calls: int, rounds: int) -> None:
+    """Give each arm its kept-alive client and 20 calls of warm-up (not counted), then ``rounds`` rounds of
+    ``calls`` calls per arm, each round starting one arm further on, so no arm always follows the same one."""
+    for arm in arms:
+        arm.client = httpx2.Client(
+            base_url=arm.proxy.url,
+            headers={"Authorization": f"Bearer {arm.proxy.master_key}"},
+            timeout=60,
+        )
+        for _ in range(20):
+            arm.call()
+        arm.latencies_ms.clear()
+        arm.overhead_ms.clear()
+    for round_ in range(rounds):
+        shift = round_ % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            arm.block(calls)
+
+
+def close_arms(arms: list[Arm]) -> None:
+    """Close each arm's client and stop its proxy."""
+    for arm in arms:
+        if arm.client is not None:
+            arm.client.close()
+        arm.proxy.stop()
 
 
 def print_cpu(arms: list[Arm]) -> dict[str, dict[str, float]]:
