@@ -56,6 +56,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -138,19 +139,9 @@ class InstantApi:
         self.url = ""
         self._process: multiprocessing.process.BaseProcess | None = None
 
-    def start(self, port: int) -> str:
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=_serve_instant_api, args=(self.grant, port), name="instant-api", daemon=True
-        )
-        self._process.start()
-        self.url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return self.url
-            except OSError:
-                time.sleep(0.05)
-        raise SystemExit("the instant API did not start")
+    def start(self) -> str:
+        self._process, self.url = spawn_server(_serve_instant_api, self.grant)
+        return self.url
 
     def stop(self) -> None:
         if self._process is not None:
@@ -162,7 +153,7 @@ class InstantApi:
         return None if self._process is None else self._process.pid
 
 
-def _serve_instant_api(grant: dict[str, Any], port: int) -> None:
+def _serve_instant_api(port: int, grant: dict[str, Any]) -> None:
     async def admit(request: web.Request) -> web.Response:
         body = await request.json()
         answer = {
@@ -171,13 +162,15 @@ def _serve_instant_api(grant: dict[str, Any], port: int) -> None:
             "reservationId": str(uuid.uuid4()),
             "state": "DISPATCHED",
             "providerRequestId": body["dispatch"]["providerRequestId"],
-            "lease": _lease(),
+            "lease": fresh_lease(),
         }
         return web.json_response(answer, status=201)
 
     async def lifecycle(request: web.Request) -> web.Response:
         await request.read()
-        return web.json_response({"reservationId": request.match_info["reservation_id"], "lease": _lease()})
+        return web.json_response(
+            {"reservationId": request.match_info["reservation_id"], "lease": fresh_lease()}
+        )
 
     async def reports(request: web.Request) -> web.Response:
         body = await request.json()
@@ -194,7 +187,22 @@ def _serve_instant_api(grant: dict[str, Any], port: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
-def _lease() -> dict[str, Any]:
+def spawn_server(target: Callable[..., None], *args: Any) -> tuple[multiprocessing.process.BaseProcess, str]:
+    """``target(port, *args)`` in a spawned process of its own (no interpreter lock shared with this one's
+    client and simulator) on a free loopback port; returns the process and its URL once the port accepts."""
+    port = free_port()
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(port, *args), daemon=True)
+    process.start()
+    for _ in range(1200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return process, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{target.__name__} did not start")
+
+
+def fresh_lease() -> dict[str, Any]:
     return {"fence": 1, "expiresAt": (datetime.now(UTC) + timedelta(seconds=120)).isoformat()}
 
 
@@ -384,7 +392,7 @@ def main() -> None:
     arms: list[Arm] = []
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
         try:
-            instant.start(free_port())
+            instant.start()
             arms.append(Arm("bare", start_proxy(venv, Path(tmp) / "bare", sim, api, None)))
             hooked = start_proxy(venv, Path(tmp) / "hook", sim, api, ROOT / "gateway")
             arms.append(Arm("hook", hooked, api_process.pid))

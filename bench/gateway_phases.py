@@ -92,7 +92,7 @@ def main() -> None:
     venv, _ = ensure_venv()
     api_process, api = serve_api(url, "gthread")
     instant = InstantApi(real_grant(api))
-    stub_api = instant.start(free_port())
+    stub_api = instant.start()
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
     arms = ("bare", "hook", "stub")

@@ -30,14 +30,10 @@ import asyncio
 import contextvars
 import io
 import logging
-import multiprocessing
 import os
-import socket
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +46,13 @@ from admission_bench import RAW_INSERT, RAW_UPDATE, free_port, hot_shape, prepar
 from gateway_bench import (  # noqa: E402
     CPU_GROUPS,
     Arm,
-    _lease,
     close_arms,
+    fresh_lease,
     percentile,
     real_grant,
     run_interleaved,
     serve_api,
+    spawn_server,
     start_proxy,
 )
 
@@ -150,7 +147,7 @@ def _serve_floor(
                 "reservationId": str(reservation),
                 "state": "DISPATCHED",
                 "providerRequestId": body["dispatch"]["providerRequestId"],
-                "lease": _lease(),
+                "lease": fresh_lease(),
             }
             return web.json_response(answer, status=201)
 
@@ -178,19 +175,6 @@ def _serve_floor(
     asyncio.run(serve())
 
 
-def _spawned(target: Callable[..., None], *args: Any) -> tuple[multiprocessing.process.BaseProcess, str]:
-    port = free_port()
-    process = multiprocessing.get_context("spawn").Process(target=target, args=(port, *args), daemon=True)
-    process.start()
-    for _ in range(1200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return process, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"{target.__name__} did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=150, help="calls per arm per round")
@@ -207,8 +191,8 @@ def main() -> None:
     api_process, api = serve_api(url, "gthread")
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
-    lean, lean_url = _spawned(_serve_lean, url)
-    floor, floor_url = _spawned(_serve_floor, real_grant(api), url, accounts, tenant, refs)
+    lean, lean_url = spawn_server(_serve_lean, url)
+    floor, floor_url = spawn_server(_serve_floor, real_grant(api), url, accounts, tenant, refs)
     arms: list[Arm] = []
     with tempfile.TemporaryDirectory(prefix="gateway-servers-") as tmp:
         try:
