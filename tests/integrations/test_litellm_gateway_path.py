@@ -364,10 +364,17 @@ class SlowFront:
             upstream.settimeout(0.1)
             upstream.sendall(held)
             self._start(self._pump, upstream, downstream, self.late_answered if delay else None)
-            self._pump(downstream, upstream)
+            # A client that gave up does not end the request sent on its behalf (as a front that ignores
+            # client aborts): our API answers it into this connection, which is how the test knows it ran.
+            self._pump(downstream, upstream, half_close=not delay)
 
     def _pump(
-        self, source: socket.socket, sink: socket.socket, answered: threading.Event | None = None
+        self,
+        source: socket.socket,
+        sink: socket.socket,
+        answered: threading.Event | None = None,
+        *,
+        half_close: bool = True,
     ) -> None:
         with contextlib.suppress(OSError):
             while not self.stop.is_set():
@@ -380,8 +387,9 @@ class SlowFront:
                 if answered is not None:
                     answered.set()
                 sink.sendall(data)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
+        if half_close:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         self.stop.set()
