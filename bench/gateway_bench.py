@@ -2,7 +2,7 @@
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
         .venv/bin/python bench/gateway_bench.py [--calls 150] [--rounds 6] [--before /work/main/gateway] \
-        [--before-api /work/main] [--server api|gthread|sync]
+        [--before-api /work/main] [--server gthread|sync]
 
 It provisions its own database (``<name>_bench``, the demo configuration), serves our API with gunicorn,
 starts the provider simulator and real LiteLLM 1.110.2 proxies (tests/integrations/litellm_proxy.py's venv)
@@ -36,10 +36,9 @@ hook calls, PostgreSQL, this process: from /proc, so on Linux), and what the hoo
 bare proxies': the latency of a call on a machine whose cores all these processes share follows
 it. The audit of our ledger must be clean at the end and every call settled.
 
-``--server`` serves our API with our worker class as ``./platform run`` does (``api``, the default:
-budgeting/gunicorn_worker.py, aiohttp's server before Django), gunicorn's threaded workers (``gthread``, what
-this bench served before it) or its sync workers (one connection per request whatever the client does). Either
-way the hook's connection to our API is its own, kept alive (not through the nginx front).
+``--server`` serves our API with gunicorn's threaded workers (the default: they keep connections alive, so the
+hook's kept-alive connection is used) or sync workers as ``./platform run`` starts them today (one connection
+per request whatever the client does).
 """
 
 from __future__ import annotations
@@ -298,11 +297,7 @@ def serve_api(
     port = free_port()
     path = os.pathsep.join(filter(None, [str(root / "bench"), os.environ.get("PYTHONPATH")]))
     tokenizers = os.environ.get("TOKENIZER_DIR") or str(ROOT / "var" / "tokenizers")
-    model = {
-        "api": [],  # the configuration's worker class
-        "gthread": ["--worker-class", "gthread", "--threads", "4"],
-        "sync": ["--worker-class", "sync"],
-    }[server]
+    model = ["--worker-class", "gthread", "--threads", "4"] if server == "gthread" else []
     process = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--config",
          "python:budgeting.gunicorn_conf", "-b", f"127.0.0.1:{port}",
@@ -377,7 +372,7 @@ def main() -> None:
         type=Path,
         help="another checkout's root: the 'before' arm's hook calls its API (on the same database)",
     )
-    parser.add_argument("--server", choices=["api", "gthread", "sync"], default="api")
+    parser.add_argument("--server", choices=["gthread", "sync"], default="gthread")
     args = parser.parse_args()
 
     url = prepared_django()

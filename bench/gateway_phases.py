@@ -90,7 +90,7 @@ def main() -> None:
     from simulation.provider import Simulator
 
     venv, _ = ensure_venv()
-    api_process, api = serve_api(url, "api")
+    api_process, api = serve_api(url, "gthread")
     instant = InstantApi(real_grant(api))
     stub_api = instant.start()
     simulator = Simulator(seed=3)

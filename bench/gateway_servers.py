@@ -1,5 +1,5 @@
-"""What the hook adds through a real LiteLLM proxy with our API served in different ways, for the gateway
-goal (the hook-added p50 ≤ 0.5× LiteLLM's own overhead), measured side by side in one run.
+"""What the hook would add through a real LiteLLM proxy with our API served another way: the lead for the
+gateway goal (the hook-added p50 ≤ 0.5× LiteLLM's own overhead), measured side by side in one run.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
         .venv/bin/python bench/gateway_servers.py [--calls 150] [--rounds 6]
@@ -7,10 +7,8 @@ goal (the hook-added p50 ≤ 0.5× LiteLLM's own overhead), measured side by sid
 The arms, interleaved as in ``bench/gateway_bench.py`` (whose proxies, simulator and figures it reuses), each
 the same non-streaming call through a proxy of its own:
   - ``bare`` and ``bare-2``: no callbacks, their calls pooled: the baseline (their difference: the control);
-  - ``gthread``: our hook calling our API under gunicorn's threaded workers (how the benches served it
-    before budgeting/gunicorn_worker.py);
-  - ``hook``: our hook calling our API as it is served (gunicorn with our worker class: aiohttp's server,
-    then Django's handler and its middleware before the hot path);
+  - ``hook``: our hook calling our API as the bench serves it (gunicorn gthread, Django's handler and its
+    middleware before the hot path);
   - ``lean``: our hook calling our hot path (``HotPathMiddleware``, the same operations and statements)
     served by aiohttp in one process, each request handled to the end in the loop, in ONE context (Django's
     connections belong to a context, and aiohttp gives each request its own: without it every request opens a
@@ -190,8 +188,7 @@ def main() -> None:
 
     accounts, tenant, refs = hot_shape()
     venv, _ = ensure_venv()
-    api_process, api = serve_api(url, "api")
-    threaded_process, threaded = serve_api(url, "gthread")
+    api_process, api = serve_api(url, "gthread")
     simulator = Simulator(seed=3)
     sim = simulator.start(port=free_port()) + "/v1"
     lean, lean_url = spawn_server(_serve_lean, url)
@@ -200,7 +197,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gateway-servers-") as tmp:
         try:
             hooked = {
-                "gthread": (threaded, threaded_process.pid),
                 "hook": (api, api_process.pid),
                 "lean": (lean_url, lean.pid),
                 "floor": (floor_url, floor.pid),
@@ -218,9 +214,8 @@ def main() -> None:
             for process in (lean, floor):
                 process.terminate()
                 process.join(10)
-            for served in (api_process, threaded_process):
-                served.terminate()
-                served.wait(20)
+            api_process.terminate()
+            api_process.wait(20)
     report(arms, args)
 
 
@@ -235,12 +230,12 @@ def report(arms: list[Arm], args: argparse.Namespace) -> None:
         f"calls per arm, interleaved; baseline (bare and bare-2 pooled) p50 {base:.1f} ms, LiteLLM's own "
         f"overhead p50 {own:.1f} ms; the control (bare-2 − bare) {difference:+.1f} ms"
     )
-    print(f"{'arm':<7} {'p50 ms':>7} {'added':>7} {'ratio':>6}  CPU per call, ms: " + ", ".join(CPU_GROUPS))
-    for name in ("gthread", "hook", "lean", "floor"):
+    print(f"{'arm':<6} {'p50 ms':>7} {'added':>7} {'ratio':>6}  CPU per call, ms: " + ", ".join(CPU_GROUPS))
+    for name in ("hook", "lean", "floor"):
         arm = by_name[name]
         p50 = percentile(arm.latencies_ms, 0.5)
         cpu = ", ".join(f"{arm.cpu_ms[group] / len(arm.latencies_ms):.2f}" for group in CPU_GROUPS)
-        print(f"{name:<7} {p50:7.1f} {p50 - base:+7.1f} {(p50 - base) / own:6.2f}  {cpu}")
+        print(f"{name:<6} {p50:7.1f} {p50 - base:+7.1f} {(p50 - base) / own:6.2f}  {cpu}")
 
 
 if __name__ == "__main__":

@@ -473,7 +473,7 @@ def main() -> None:
     with psycopg.connect(large_url, autocommit=True) as conn:
         conn.execute(LIFT_LIMITS)
 
-    servers = {name: serve(url, "api") for name, url in (("small", small_url), ("large", large_url))}
+    servers = {name: serve(url, "sync") for name, url in (("small", small_url), ("large", large_url))}
     times: dict[str, dict[str, list[float]]] = {name: {call: [] for call in CALLS} for name in servers}
     pairs: dict[str, list[float]] = {"raw": [], "http": []}
     try:
@@ -496,7 +496,7 @@ def main() -> None:
     print(
         f"databases: small {SMALL[0]:,} reservations / {SMALL[1]:,} entries, large {large[0]:,} / "
         f"{large[1]:,} (filled in {', '.join(f'{k} {v:.0f} s' for k, v in filled.items()) or 'reused'}); "
-        f"{args.cycles} cycles; gunicorn with our worker class; one connection a call"
+        f"{args.cycles} cycles; gunicorn sync workers; one connection a call"
     )
     small_admit = p50(times["small"]["admit"])
     print(

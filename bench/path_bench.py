@@ -1,7 +1,7 @@
 """The admission path's cost, every figure of the performance issue in one run, each with its baseline.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/tokenbudget REDIS_URL=redis://127.0.0.1:6379/0 \
-        .venv/bin/python bench/path_bench.py [--seconds 8] [--server api|sync|gthread]
+        .venv/bin/python bench/path_bench.py [--seconds 8] [--server sync|gthread]
 
 In its own database (``<name>_bench``, created, migrated and provisioned with the demo here), it measures:
   - an 80k-token ``POST /admissions:count`` over HTTP, warm and cold, against a raw ``tokenizers`` batch
@@ -12,9 +12,8 @@ In its own database (``<name>_bench``, created, migrated and provisioned with th
     psycopg transaction of the same shape (``admission_bench.raw_baseline``);
   - commits, transactions and statements per warm admission and per lifecycle call (counted in-process, as the
     test suite does).
-The server is gunicorn as ``./platform run`` starts it (our worker class, budgeting/gunicorn_worker.py,
-WEB_CONCURRENCY = 2 × CPUs by default); ``--server sync`` and ``--server gthread`` measure gunicorn's sync
-or threaded workers instead; ``--front`` puts the nginx front ``./platform run``
+The server is gunicorn as ``./platform run`` starts it (sync workers, WEB_CONCURRENCY = 2 × CPUs by default);
+``--server gthread`` measures threaded workers instead; ``--front`` puts the nginx front ``./platform run``
 starts (``budgeting/launcher/front.py``) before it. The audit must be clean at the end. The bodies of the
 count and single-client figures are encoded before the clock starts: they time the service's answer, not the
 bench client's json.dumps (the admission p50 with the client's encoding in the clock is printed too). Each
@@ -209,11 +208,7 @@ def behind_front(base: str, stack: contextlib.ExitStack) -> str:
 def serve(url: str, server: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     workers = str(web_workers())
-    model = {
-        "api": [],  # the configuration's worker class, as ./platform run
-        "sync": ["--worker-class", "sync"],
-        "gthread": ["--worker-class", "gthread", "--threads", "4"],
-    }[server]
+    model = ["--worker-class", "gthread", "--threads", "4"] if server == "gthread" else []
     process = subprocess.Popen(
         [
             sys.executable,
@@ -303,7 +298,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--server", choices=["api", "sync", "gthread"], default="api")
+    parser.add_argument("--server", choices=["sync", "gthread"], default="sync")
     parser.add_argument("--front", action="store_true", help="through the nginx front ./platform run starts")
     args = parser.parse_args()
     url = admission_bench.prepared_django()
