@@ -1,20 +1,14 @@
-"""gunicorn settings the launcher passes with ``-c``: our worker class, multiprocess-safe metrics, no control
-socket, each worker's tokenizers loaded before it serves, and gunicorn's own error answers in problem+json."""
+"""gunicorn settings the launcher passes with ``-c``: multiprocess-safe metrics, no control socket, each
+worker's tokenizers loaded before it serves, and gunicorn's own error answers in problem+json."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Any
 
 from gunicorn import util
-
-from budgeting.api.problems import PROBLEM_CONTENT_TYPE
-from budgeting.gunicorn_worker import problem_bytes
-
-# aiohttp's HTTP server before Django in each worker (budgeting/gunicorn_worker.py); ``--worker-class`` on
-# the command line still chooses another.
-worker_class = "budgeting.gunicorn_worker.ApiWorker"
 
 # The control socket (gunicorn >= 24) sits at one path per user: the launcher's two masters, or two
 # platforms on one machine, would fight over it, and nothing here uses it.
@@ -40,27 +34,43 @@ def post_worker_init(worker: Any) -> None:
         worker.log.warning("not warmed before its first request: %s", exc)
         return
     finally:
-        # Opened on this thread for the read; requests are served on another (the worker's application
-        # thread, or a gthread worker's pool).
+        # Opened on this thread for the read; a threaded worker serves requests on others.
         connection.close()
     worker.log.info("tokenizers loaded before the first request: %s", ", ".join(loaded) or "none")
 
 
+# gunicorn's own answers, for a request it refuses before the application sees it, by status.
+_GUNICORN_PROBLEMS = {
+    400: "BAD_REQUEST",
+    414: "URI_TOO_LONG",
+    431: "HEADERS_TOO_LARGE",
+    500: "INTERNAL_ERROR",
+}
+
+
 def on_starting(server: Any) -> None:
-    """Before the workers fork: the error answers of gunicorn's own workers, when ``--worker-class`` chooses
-    one (a request line over ``limit_request_line``: 414, headers over its limits: 431, a request it cannot
-    parse: 400), become problem+json with the codes the nginx front answers them with, not gunicorn's HTML
-    page, as our worker's are. gunicorn has no setting or hook for them: its workers call
-    ``gunicorn.util.write_error``, which is replaced here (the front is not always there: it needs nginx
-    installed)."""
+    """Before the workers fork: gunicorn's error answers (a request line over ``limit_request_line``: 414,
+    headers over its limits: 431, a request it cannot parse: 400) become problem+json with the codes the
+    nginx front answers them with, not gunicorn's HTML page. gunicorn has no setting or hook for them: its
+    workers call ``gunicorn.util.write_error``, which is replaced here (the front is not always there: it
+    needs nginx installed)."""
     util.write_error = _write_problem
 
 
 def _write_problem(sock: socket.socket, status_int: int, reason: str, mesg: str) -> None:
-    body = problem_bytes(status_int, mesg)
+    code = _GUNICORN_PROBLEMS.get(status_int, "BAD_REQUEST" if status_int < 500 else "INTERNAL_ERROR")
+    body = json.dumps(
+        {
+            "type": f"/problems/{code.lower().replace('_', '-')}",
+            "title": reason,
+            "status": status_int,
+            "code": code,
+            "detail": mesg,
+        }
+    ).encode()
     head = (
         f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\n"
-        f"Content-Type: {PROBLEM_CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: application/problem+json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     util.write_nonblock(sock, head.encode("latin-1") + body)
 

@@ -27,8 +27,7 @@ def database_url() -> str:
 
 @contextlib.contextmanager
 def gunicorn() -> Iterator[str]:
-    """Start one gunicorn worker, configured as ``./platform run`` configures them; yields its base URL and
-    stops it afterwards."""
+    """Start one sync gunicorn worker; yields its base URL and stops it afterwards."""
     port = free_port()
     env = {**os.environ, "DATABASE_URL": database_url(), "DJANGO_SETTINGS_MODULE": "budgeting.settings"}
     server = subprocess.Popen(
@@ -37,8 +36,6 @@ def gunicorn() -> Iterator[str]:
             "-m",
             "gunicorn",
             "budgeting.wsgi:application",
-            "--config",
-            "python:budgeting.gunicorn_conf",
             "--bind",
             f"127.0.0.1:{port}",
             "--workers",

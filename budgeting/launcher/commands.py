@@ -195,8 +195,8 @@ def run(stack: contextlib.ExitStack) -> int:
     nginx = front.nginx_binary()
     if nginx is None:
         say(
-            "nginx is not installed: gunicorn serves the port itself, without the front's limits and its "
-            "timeouts for clients that pause (apt-get install nginx puts the buffering front before it)"
+            "nginx is not installed: gunicorn serves the port itself, and a client that sends its request "
+            "slowly holds a web worker meanwhile (apt-get install nginx puts the buffering front before it)"
         )
         api_socket = stack.enter_context(listen(port))
     else:

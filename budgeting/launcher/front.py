@@ -1,12 +1,11 @@
 """The buffering front of ``./platform run``: nginx in front of gunicorn, so that slow clients cost memory.
 
 gunicorn's sync workers read a request's body themselves: thirty clients sending a body a byte a second held
-every worker, and every other request waited. Our worker class (budgeting/gunicorn_worker.py) reads requests
-in its event loop, so that no longer holds it; the front keeps what it adds. nginx reads each request whole
-(headers and body, in memory up to ``BODY_BUFFER``, in a temporary file beyond it) and only then hands it to
-gunicorn over loopback, where it arrives at once; it also bounds what a request may be (``MAX_REQUEST_BYTES``
-for a body: 413; headers: 431, a request line: 414, all problem+json like the API's own answers, gunicorn's
-too) and how long a client may take to send it.
+every worker, and every other request waited. nginx reads each request whole (headers and body, in memory up
+to ``BODY_BUFFER``, in a temporary file beyond it) and only then hands it to gunicorn over loopback, where it
+arrives at once; it also bounds what a request may be (``MAX_REQUEST_BYTES`` for a body: 413; headers: 431,
+a request line: 414, all problem+json like the API's own answers, gunicorn's too) and how long a client may
+take to send it.
 
 nginx is a Debian package (``apt-get install nginx``), not a PyPI one: when it is not installed the launcher
 says so and gunicorn serves the port itself, as before. In production put the same front (this

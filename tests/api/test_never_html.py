@@ -144,7 +144,7 @@ def closed_port() -> int:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_chunked_body_is_read_through_gunicorn(demo_api):
-    """Django alone reads a chunked body as empty (no Content-Length); the server decodes the chunks."""
+    """Django alone reads a chunked body as empty (no Content-Length); gunicorn decodes the chunks."""
     payload = request_body()
     raw = json.dumps(payload).encode()
     with live.gunicorn() as base:

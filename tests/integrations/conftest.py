@@ -150,15 +150,13 @@ def sim(ports: Ports) -> Iterator[tuple[Simulator, RecordingCounter]]:
 
 @dataclass
 class Gunicorn:
-    """Our API, served by gunicorn on the test database as ``./platform run`` serves it (its configuration,
-    and so its worker class: budgeting/gunicorn_worker.py)."""
+    """Our API, served by gunicorn on the test database."""
 
     port: int
     log: Path
     process: subprocess.Popen[bytes] | None = None
     env: dict[str, str] = field(default_factory=dict)
     quit_seconds: int = 5
-    workers: int = 2
 
     def start(self) -> None:
         env = {
@@ -169,9 +167,9 @@ class Gunicorn:
         }
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--config",
-                 "python:budgeting.gunicorn_conf", "--bind", f"127.0.0.1:{self.port}", "--workers",
-                 str(self.workers), "--log-level", "warning", "--graceful-timeout", str(self.quit_seconds)],
+                [sys.executable, "-m", "gunicorn", "budgeting.wsgi:application", "--bind",
+                 f"127.0.0.1:{self.port}", "--workers", "1", "--threads", "4", "--log-level", "warning",
+                 "--graceful-timeout", str(self.quit_seconds)],
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip

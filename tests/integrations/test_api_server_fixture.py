@@ -44,7 +44,7 @@ def _left_after(server: Gunicorn) -> set[int]:
 
 
 def _started(tmp_path: Path) -> Gunicorn:
-    server = Gunicorn(free_port(), tmp_path / "gunicorn.log", quit_seconds=1, workers=1)
+    server = Gunicorn(free_port(), tmp_path / "gunicorn.log", quit_seconds=1)
     server.start()
     assert server.process is not None
     assert len(_session(server.process.pid)) == 2  # the master and its one worker

@@ -364,17 +364,10 @@ class SlowFront:
             upstream.settimeout(0.1)
             upstream.sendall(held)
             self._start(self._pump, upstream, downstream, self.late_answered if delay else None)
-            # A client that gave up does not end the request sent on its behalf (as a front that ignores
-            # client aborts): our API answers it into this connection, which is how the test knows it ran.
-            self._pump(downstream, upstream, half_close=not delay)
+            self._pump(downstream, upstream)
 
     def _pump(
-        self,
-        source: socket.socket,
-        sink: socket.socket,
-        answered: threading.Event | None = None,
-        *,
-        half_close: bool = True,
+        self, source: socket.socket, sink: socket.socket, answered: threading.Event | None = None
     ) -> None:
         with contextlib.suppress(OSError):
             while not self.stop.is_set():
@@ -387,9 +380,8 @@ class SlowFront:
                 if answered is not None:
                     answered.set()
                 sink.sendall(data)
-        if half_close:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         self.stop.set()
