@@ -350,6 +350,10 @@ def explain_here(cycles: int) -> None:
     import psycopg
 
     connection, post, current = in_process()
+    # After Django's setup (in_process): the ledger's statements import its models.
+    from ledger.statements import CATALOG_MOVED_SQLSTATE, CHANGED_SQLSTATE, REFUSED_SQLSTATE
+
+    refusals = {CATALOG_MOVED_SQLSTATE, CHANGED_SQLSTATE, REFUSED_SQLSTATE}
     scans: dict[str, list[str]] = {}
     times: dict[str, list[float]] = {}
 
@@ -359,9 +363,12 @@ def explain_here(cycles: int) -> None:
             try:
                 with raw.transaction(force_rollback=True):
                     plan = [row[0] for row in raw.execute(f"EXPLAIN (ANALYZE, BUFFERS) {sql}", params)]
-            except psycopg.DatabaseError:
-                # The statement refuses (a catalog version it compares has moved: the call reads the version
-                # and makes it again): nothing to explain of this run of it; it runs as it would.
+            except psycopg.DatabaseError as error:
+                # The statement refuses by its own check (a catalog version it compares has moved: the call
+                # reads the version and makes it again): nothing to explain of this run of it; it runs as it
+                # would. Any other error is the bench's.
+                if error.sqlstate not in refusals:
+                    raise
                 return execute(sql, params, many, context)
             key = f"{current[0]:12} {' '.join(sql.split()[:3])[:40]:40}"
             nodes = {re.sub(r"^\s*(->\s*)?", "", line).split("  (")[0] for line in plan if "Scan " in line}
