@@ -15,7 +15,9 @@ non-streaming chat completion to each arm in turn (``--calls`` per arm, ``--roun
 median of each phase in each arm:
   - before the pre-call hooks: LiteLLM's own work on the request (with the hook, the previous call's
     settlement shares the proxy's loop);
-  - the hook's pre-call hook (``pre-first`` to ``pre-last``): mapping the request and sending its admission;
+  - the hook's pre-call hook (``pre-first`` to ``pre-last``): mapping the request and sending its admission
+    (or adopting the one sent as the request arrived, ``admitOnArrival``: that one is on its way during
+    the phase before);
   - routing (``pre-last`` to ``deploy-first``): LiteLLM's, while the admission is in flight;
   - the hook's deployment hook (``deploy-first`` to ``deploy-last``): waiting for the admission, then
     applying it;

@@ -8,7 +8,13 @@ Load it from the proxy's config (its settings: ``tokenbudget_litellm.settings``)
 Every call to our API is a coroutine on the proxy's event loop over kept-alive connections
 (``transport.AsyncApi``), bounded by one deadline (``timeoutSeconds``). One call, hook by hook:
 
-- ``async_pre_call_hook``: the request is mapped (``mapping``) and its admission sent; the admission also
+- Before any hook (``arrival``, ``admitOnArrival``): a chat request whose credentials LiteLLM accepted in
+  the last minute has its admission sent as it arrives, mapped as the caller LiteLLM found then, while
+  LiteLLM authenticates and prepares it; the pre-call hook adopts it only if it is exactly the admission
+  the call needs then (else it is released, and the call admitted there under ``<requestId>-readmitted``),
+  and one that no hook took is released once the proxy has answered.
+- ``async_pre_call_hook``: the request is mapped (``mapping``) and its admission sent (or the one sent on
+  its arrival adopted); the admission also
   records the dispatch under a provider request id the hook chose (``dispatchAtAdmission``), so it is the
   one call to us before the provider call. Router retries and fallbacks are turned off (a reservation
   covers one provider call). For a group whose admission cannot change where the call goes (no
@@ -63,15 +69,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 from tokenbudget_gateway.errors import GatewayError, StaleFence
 
+from tokenbudget_litellm.arrival import ARRIVAL, AdmitOnArrival, KnownCallers, install
 from tokenbudget_litellm.calls import (
     Admitted,
     Calls,
@@ -86,6 +94,7 @@ from tokenbudget_litellm.mapping import (
     Caller,
     MappingError,
     apply_admitted,
+    readmitted,
     to_admission,
 )
 from tokenbudget_litellm.settings import HookSettings, ModelGroup
@@ -100,6 +109,9 @@ _UNAVAILABLE_RETRY_AFTER: Final = "5"
 _PROXY_LOGGER: Final = "LiteLLM Proxy"
 # A lease renewal never waits less than this, whatever a (skewed) clock says is left.
 _MIN_RENEW_S: Final = 0.2
+# How long credentials LiteLLM accepted are admitted on arrival (``arrival``), and how long a group whose
+# early admission differed from the call is not.
+_KNOWN_CALLER_S: Final = 60.0
 
 
 @dataclass
@@ -117,12 +129,20 @@ class _Admission:
     """An admission asked for a call (its ``task`` started at once)."""
 
     def __init__(
-        self, admit: Coroutine[Any, Any, Admitted], name: str, group: ModelGroup, request: AdmissionRequest
+        self,
+        admit: Coroutine[Any, Any, Admitted],
+        name: str,
+        group: ModelGroup,
+        request: AdmissionRequest,
+        *,
+        on_arrival: bool = False,
     ) -> None:
         self.task = asyncio.get_running_loop().create_task(admit)
         self.name = name
         self.group = group
         self.request = request
+        self.on_arrival = on_arrival
+        """Asked for as the request arrived, before LiteLLM's own work on it (``arrival``)."""
 
 
 class _Refused(HTTPException):
@@ -161,6 +181,14 @@ class TokenBudgetHook(CustomLogger):
         self._states: dict[str, _CallState] = {}
         self._admissions: dict[str, _Admission] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._callers = KnownCallers(ttl_s=_KNOWN_CALLER_S)
+        self._admitted_late: dict[str, float] = {}
+        if settings.admit_on_arrival:
+            install(
+                lambda app: AdmitOnArrival(
+                    app, callers=self._callers, begin=self._admit_on_arrival, drop=self._drop_early
+                )
+            )
         # First: LiteLLM's own filter on that logger formats the record's arguments away.
         logging.getLogger(_PROXY_LOGGER).filters.insert(0, _OneLinePerRefusal())
         if not logger.handlers and not logging.getLogger().handlers:
@@ -193,6 +221,10 @@ class TokenBudgetHook(CustomLogger):
             raise _refused(Refusal.of(400, exc.code, exc.detail), name) from exc
         except Exception as exc:
             return self._undecided(data, exc)
+        early = self._early_admission(name, request, caller)
+        if early is False:
+            request = readmitted(request)
+            early = None
         data["num_retries"] = 0
         data.pop("fallbacks", None)
         metadata = data.get("metadata")
@@ -201,18 +233,20 @@ class TokenBudgetHook(CustomLogger):
         if group.deployments:
             # A rung may move the call to another deployment: LiteLLM routes it once it is admitted.
             ticket = await self._admitted_call(
-                data, metadata, _Admission(self.calls.admit(request), name, group, request)
+                data, metadata, early or _Admission(self.calls.admit(request), name, group, request)
             )
             if ticket is not None:
                 data["model"] = group.deployment_for(name, ticket.model_revision)
             return data
-        sent = asyncio.Event()
-        admission = _Admission(self.calls.admit(request, sent=sent), name, group, request)
-        try:
-            await sent.wait()
-        except asyncio.CancelledError:
-            self._in_background(self._dropped(admission))
-            raise
+        admission = early
+        if admission is None:
+            sent = asyncio.Event()
+            admission = _Admission(self.calls.admit(request, sent=sent), name, group, request)
+            try:
+                await sent.wait()
+            except asyncio.CancelledError:
+                self._in_background(self._dropped(admission))
+                raise
         metadata[_ADMISSION_KEY] = key = uuid.uuid4().hex
         self._admissions[key] = admission
         return data
@@ -385,15 +419,66 @@ class TokenBudgetHook(CustomLogger):
         self._states[ticket.reservation_id] = state
         state.keeper = asyncio.get_running_loop().create_task(self._keep_lease(ticket))
         logger.info(
-            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s",
+            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s%s",
             name,
             ticket.rung,
             ticket.model_revision or group.model_revision,
             deployment,
             ticket.reservation_id,
             ticket.provider_request_id,
+            ", asked on arrival" if admission.on_arrival else "",
         )
         return ticket
+
+    def _admit_on_arrival(self, data: dict[str, Any], caller: Caller) -> _Admission | None:
+        """The admission of a request as it arrived (``arrival``), started; ``None`` if it is not one to
+        admit early (its group unlisted or admitted late, or its mapping refused: the pre-call hook
+        answers that)."""
+        name = data.get("model")
+        if not isinstance(name, str) or self._admitted_late.get(name, 0.0) > time.monotonic():
+            return None
+        group = self.settings.model_groups.get(name)
+        if group is None:
+            return None
+        try:
+            request = to_admission(data, group, caller, self.settings)
+        except MappingError:
+            return None
+        if request.callers_key:
+            # The caller's own requestId: were the call to change before the pre-call hook, its admission
+            # would be a second request under the caller's key (a conflict), so it is asked for there.
+            return None
+        return _Admission(self.calls.admit(request), name, group, request, on_arrival=True)
+
+    def _early_admission(
+        self, name: str, request: AdmissionRequest, caller: Caller
+    ) -> _Admission | Literal[False] | None:
+        """The admission started on this call's arrival, if it is the one the call needs now that LiteLLM
+        authenticated ``caller``; ``None`` if none was; ``False`` if one that differs was (it is released,
+        the call needs another key, and its group is admitted here for a while)."""
+        arrival = ARRIVAL.get()
+        if arrival is None:
+            return None
+        self._callers.remember(arrival.credentials, caller)
+        early = arrival.take()
+        if early is None:
+            return None
+        if isinstance(early, _Admission) and early.name == name and early.request == request:
+            return early
+        logger.info(
+            "the admission of %s started on arrival differs from the call LiteLLM handed over: released; "
+            "the group's calls are admitted in the pre-call hook for %g s",
+            name,
+            _KNOWN_CALLER_S,
+        )
+        self._admitted_late[name] = time.monotonic() + _KNOWN_CALLER_S
+        self._drop_early(early)
+        return False
+
+    def _drop_early(self, early: object) -> None:
+        """Release an admission started on arrival that no call took."""
+        if isinstance(early, _Admission):
+            self._in_background(self._dropped(early))
 
     def _admission_of(self, *holders: Any) -> tuple[dict[str, Any], _Admission | None]:
         """The admission in flight for a call, taken (only one hook waits for it), and the metadata that

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from tokenbudget_litellm.settings import HookSettings, ModelGroup
@@ -159,6 +159,13 @@ def to_admission(
         traceparent=_traceparent(data),
         callers_key=bool(extra.get("requestId")),
     )
+
+
+def readmitted(request: AdmissionRequest) -> AdmissionRequest:
+    """``request`` under a key of its own: the call's admission asked for on its arrival was of another
+    request (``arrival``) under the call's default key."""
+    request_id = f"{request.idempotency_key}-readmitted"
+    return replace(request, body={**request.body, "requestId": request_id}, idempotency_key=request_id)
 
 
 def _traceparent(data: Mapping[str, Any]) -> str | None:

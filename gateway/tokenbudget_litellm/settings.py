@@ -9,6 +9,7 @@ file but in the environment variable the file names (``tokenEnv``, default ``TOK
       "timeoutSeconds": 5,
       "queueWaitSeconds": 0,
       "usageFlushSeconds": 0.1,
+      "admitOnArrival": true,
       "tenantByTeam": {"legal-team": "t-19"},
       "modelGroups": {
         "eu-large": {
@@ -77,7 +78,9 @@ class HookSettings:
     answering 503. ``timeout_s``: the one deadline of each call to our API, its retries included (a hung API
     is answered 503 within it). ``queue_wait_s``: how long to wait for a queued (202) admission before
     answering 429. ``dispatch_at_admission``: record the dispatch in the admission's call (one call to us
-    before the provider call instead of two). ``unlisted``: what happens to a model group that is not
+    before the provider call instead of two). ``admit_on_arrival``: send a chat request's admission as it
+arrives at the proxy, before LiteLLM authenticates it, when its credentials were accepted by LiteLLM in the
+last minute (``arrival``; off: from the pre-call hook only). ``unlisted``: what happens to a model group that is not
     configured (``reject``: 400, ``pass``: not admitted, as if the hook were absent). The lease is renewed
     at a third of what each grant or renewal gave, for every call, streamed or not, for at most
     ``max_call_s`` (a call this process lost track of is then left to the reclaimer). ``usage_flush_s``:
@@ -92,6 +95,7 @@ class HookSettings:
     timeout_s: float = 5.0
     queue_wait_s: float = 0.0
     dispatch_at_admission: bool = True
+    admit_on_arrival: bool = True
     max_call_s: float = 900.0
     usage_flush_s: float = 0.1
     metadata_key: str = "tokenbudget"
@@ -132,6 +136,7 @@ class HookSettings:
             timeout_s=_positive_seconds(doc.get("timeoutSeconds", 5.0), "timeoutSeconds"),
             queue_wait_s=_seconds(doc.get("queueWaitSeconds", 0.0), "queueWaitSeconds"),
             dispatch_at_admission=_boolean(doc.get("dispatchAtAdmission", True), "dispatchAtAdmission"),
+            admit_on_arrival=_boolean(doc.get("admitOnArrival", True), "admitOnArrival"),
             max_call_s=_positive_seconds(doc.get("maxCallSeconds", 900.0), "maxCallSeconds"),
             usage_flush_s=_seconds(doc.get("usageFlushSeconds", 0.1), "usageFlushSeconds"),
             metadata_key=_string(doc.get("metadataKey", "tokenbudget"), "metadataKey"),

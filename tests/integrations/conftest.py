@@ -93,9 +93,18 @@ def ports() -> Ports:
 
 
 @contextlib.contextmanager
-def running_proxy(venv: Path, ports: Ports, workdir: Path, **settings: Any) -> Iterator[LiteLLMProxy]:
-    """A LiteLLM proxy serving ``MODEL_GROUPS`` (and ``contract-review-small``) from the simulator on
-    ``ports.sim``, its hook calling our API on ``ports.api``; ``settings`` are added to the hook's."""
+def running_proxy(
+    venv: Path,
+    ports: Ports,
+    workdir: Path,
+    *,
+    model_groups: Mapping[str, Any] = MODEL_GROUPS,
+    refuser_first: bool = False,
+    **settings: Any,
+) -> Iterator[LiteLLMProxy]:
+    """A LiteLLM proxy serving ``model_groups`` (and ``contract-review-small``) from the simulator on
+    ``ports.sim``, its hook calling our API on ``ports.api``, the ``refuser`` callback after it (before it
+    with ``refuser_first``); ``settings`` are added to the hook's."""
     proxy = LiteLLMProxy(venv, workdir, free_port())
 
     def backend(model: str) -> dict[str, str]:
@@ -105,21 +114,22 @@ def running_proxy(venv: Path, ports: Ports, workdir: Path, **settings: Any) -> I
             "api_key": PROVIDER_KEY,
         }
 
+    callbacks = ["tokenbudget_litellm.hook.proxy_handler_instance", "refuser.proxy_handler_instance"]
     config = {
         "model_list": [
-            *({"model_name": name, "litellm_params": backend("model@2026-07-01")} for name in MODEL_GROUPS),
+            *({"model_name": name, "litellm_params": backend("model@2026-07-01")} for name in model_groups),
             {"model_name": "contract-review-small", "litellm_params": backend("small@2026-05-12")},
         ],
         "litellm_settings": {
             # Ours, then a guardrail refusing what a test asks it to (``refuser``, beside the config).
-            "callbacks": ["tokenbudget_litellm.hook.proxy_handler_instance", "refuser.proxy_handler_instance"]
+            "callbacks": callbacks[::-1] if refuser_first else callbacks
         },
     }
     shutil.copy(Path(__file__).with_name("refuser.py"), proxy.workdir)
     hook_settings = {
         "apiUrl": f"http://127.0.0.1:{ports.api}",
         "timeoutSeconds": HOOK_DEADLINE_S,
-        "modelGroups": MODEL_GROUPS,
+        "modelGroups": model_groups,
         **settings,
     }
     started = time.monotonic()

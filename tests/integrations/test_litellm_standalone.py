@@ -14,7 +14,7 @@ IMPORT = """
 import importlib, sys
 sys.path.insert(0, {gateway!r})
 for name in ("tokenbudget_litellm", "tokenbudget_litellm.settings", "tokenbudget_litellm.mapping",
-             "tokenbudget_litellm.calls", "tokenbudget_litellm.reports"):
+             "tokenbudget_litellm.calls", "tokenbudget_litellm.reports", "tokenbudget_litellm.arrival"):
     importlib.import_module(name)
 for name in ("tokenbudget_litellm.transport", "tokenbudget_litellm.hook"):
     try:
@@ -37,5 +37,5 @@ def test_only_the_hook_needs_more_than_the_standard_library() -> None:
     transport, hook = result.stdout.split()
     assert transport == "aiohttp" and hook in {"fastapi", "litellm", "aiohttp"}
     modules = {path.stem for path in (GATEWAY / "tokenbudget_litellm").glob("[!_]*.py")}
-    expected = {"settings", "mapping", "calls", "reports", "transport", "hook"}
+    expected = {"settings", "mapping", "calls", "reports", "arrival", "transport", "hook"}
     assert modules == expected, "a new module: add it above"
