@@ -109,15 +109,16 @@ class KnownCallers:
 
 class AdmitOnArrival(Generic[T]):
     """ASGI middleware; see the module docstring. ``begin(data, caller)`` maps the parsed body (its
-    ``litellm_call_id`` and traceparent set as LiteLLM will) and starts its admission, or returns
-    ``None``; ``drop(early)`` releases an early admission nobody took."""
+    ``litellm_call_id`` and traceparent set as LiteLLM will) and starts its admission, returning once the
+    admission is on the wire (LiteLLM's work on the request may not yield to the event loop until it calls
+    the hooks), or returns ``None``; ``drop(early)`` releases an early admission nobody took."""
 
     def __init__(
         self,
         app: App,
         *,
         callers: KnownCallers,
-        begin: Callable[[dict[str, Any], Caller], T | None],
+        begin: Callable[[dict[str, Any], Caller], Awaitable[T | None]],
         drop: Callable[[T], None],
         max_body: int = 1 << 20,
     ) -> None:
@@ -185,7 +186,7 @@ class AdmitOnArrival(Generic[T]):
         if traceparent is not None:
             data["proxy_server_request"] = {"headers": {"traceparent": traceparent.decode("latin-1")}}
         try:
-            early = self._begin(data, caller)
+            early = await self._begin(data, caller)
         except Exception:
             # An early start is only ever a head start: the pre-call hook admits the call as before.
             logger.exception("the admission could not be started on arrival")

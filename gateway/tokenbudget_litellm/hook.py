@@ -430,10 +430,10 @@ class TokenBudgetHook(CustomLogger):
         )
         return ticket
 
-    def _admit_on_arrival(self, data: dict[str, Any], caller: Caller) -> _Admission | None:
-        """The admission of a request as it arrived (``arrival``), started; ``None`` if it is not one to
-        admit early (its group unlisted or admitted late, or its mapping refused: the pre-call hook
-        answers that)."""
+    async def _admit_on_arrival(self, data: dict[str, Any], caller: Caller) -> _Admission | None:
+        """The admission of a request as it arrived (``arrival``), once it is on the wire; ``None`` if it is
+        not one to admit early (its group unlisted or admitted late, or its mapping refused: the pre-call
+        hook answers that)."""
         name = data.get("model")
         if not isinstance(name, str) or self._admitted_late.get(name, 0.0) > time.monotonic():
             return None
@@ -448,7 +448,14 @@ class TokenBudgetHook(CustomLogger):
             # The caller's own requestId: were the call to change before the pre-call hook, its admission
             # would be a second request under the caller's key (a conflict), so it is asked for there.
             return None
-        return _Admission(self.calls.admit(request), name, group, request, on_arrival=True)
+        sent = asyncio.Event()
+        admission = _Admission(self.calls.admit(request, sent=sent), name, group, request, on_arrival=True)
+        try:
+            await sent.wait()
+        except asyncio.CancelledError:
+            self._drop_early(admission)
+            raise
+        return admission
 
     def _early_admission(
         self, name: str, request: AdmissionRequest, caller: Caller

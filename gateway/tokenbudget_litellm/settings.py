@@ -75,17 +75,17 @@ class ModelGroup:
 @dataclass(frozen=True)
 class HookSettings:
     """``fail_open``: let a call through unadmitted (logged) when admission cannot be decided, instead of
-    answering 503. ``timeout_s``: the one deadline of each call to our API, its retries included (a hung API
-    is answered 503 within it). ``queue_wait_s``: how long to wait for a queued (202) admission before
+    answering 503. ``timeout_s``: the one deadline of each call to our API, its retries included (a hung
+    API is answered 503 within it). ``queue_wait_s``: how long to wait for a queued (202) admission before
     answering 429. ``dispatch_at_admission``: record the dispatch in the admission's call (one call to us
     before the provider call instead of two). ``admit_on_arrival``: send a chat request's admission as it
-arrives at the proxy, before LiteLLM authenticates it, when its credentials were accepted by LiteLLM in the
-last minute (``arrival``; off: from the pre-call hook only). ``unlisted``: what happens to a model group that is not
-    configured (``reject``: 400, ``pass``: not admitted, as if the hook were absent). The lease is renewed
-    at a third of what each grant or renewal gave, for every call, streamed or not, for at most
-    ``max_call_s`` (a call this process lost track of is then left to the reclaimer). ``usage_flush_s``:
-    how long a call's final usage waits to be sent with other calls' in one request (``reports``; 0: as
-    soon as the event loop is free)."""
+    arrives at the proxy, before LiteLLM authenticates it, when its credentials were accepted by LiteLLM
+    in the last minute (``arrival``; off: from the pre-call hook only). ``unlisted``: what happens to a
+    model group that is not configured (``reject``: 400, ``pass``: not admitted, as if the hook were
+    absent). The lease is renewed at a third of what each grant or renewal gave, for every call, streamed
+    or not, for at most ``max_call_s`` (a call this process lost track of is then left to the reclaimer).
+    ``usage_flush_s``: how long a call's final usage waits to be sent with other calls' in one request
+    (``reports``; 0: as soon as the event loop is free)."""
 
     api_url: str
     token: str

@@ -34,7 +34,7 @@ class Proxy:
         self._take = take
         self._fail = fail
 
-    def begin(self, data: dict[str, Any], caller: Caller) -> str:
+    async def begin(self, data: dict[str, Any], caller: Caller) -> str:
         self.events.append("admission started")
         self.begun.append((data, caller))
         return f"early-{len(self.begun)}"
@@ -210,7 +210,7 @@ def test_a_failure_to_start_the_admission_leaves_the_request_to_the_pre_call_hoo
 ) -> None:
     proxy = Proxy()
 
-    def begin(data: dict[str, Any], caller: Caller) -> str:
+    async def begin(data: dict[str, Any], caller: Caller) -> str:
         raise KeyError("a bug")
 
     proxy.begin = begin  # type: ignore[method-assign]
