@@ -47,13 +47,16 @@ def proxy(
         yield proxy
 
 
-def call(proxy: LiteLLMProxy, model: str = "support", **metadata: Any) -> Any:
+def call(
+    proxy: LiteLLMProxy, model: str = "support", headers: dict[str, str] | None = None, **metadata: Any
+) -> Any:
     """One plain chat completion; the raw answer (its headers, ``parse()`` for the completion)."""
     return client(proxy).chat.completions.with_raw_response.create(
         model=model,
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=20,
         extra_body={"metadata": metadata} if metadata else {},
+        extra_headers=headers,
     )
 
 
@@ -69,15 +72,26 @@ def nothing_held() -> bool:
     )
 
 
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {
+            "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "x-litellm-call-id": "call-of-the-callers",
+        },
+    ],
+    ids=["plain", "the caller's trace and call id"],
+)
 def test_a_known_keys_call_is_admitted_on_arrival_and_settled_as_any_other(
-    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter]
+    proxy: LiteLLMProxy, api: Gunicorn, sim: tuple[Simulator, RecordingCounter], headers: dict[str, str]
 ) -> None:
     simulator, counter = sim
     known_key(proxy)
     counter.seen.clear()
     log_before = proxy.log.read_text(errors="replace")
 
-    raw = call(proxy)
+    raw = call(proxy, headers=headers)
 
     reservation_id = raw.headers["x-tokenbudget-reservation-id"]
     [admitted] = [line for line in logged_since(proxy, log_before) if "admitted support" in line]
@@ -86,6 +100,8 @@ def test_a_known_keys_call_is_admitted_on_arrival_and_settled_as_any_other(
     assert (row.state, row.outcome) == (ReservationState.SETTLED, "COMPLETED")
     # The admission's default requestId is LiteLLM's call id, which the middleware gave the request.
     assert row.request_id == f"litellm-{raw.headers['x-litellm-call-id']}"
+    if headers:
+        assert raw.headers["x-litellm-call-id"] == headers["x-litellm-call-id"]
     assert counter.seen == [admitted_messages(row)]
     billed = simulator.entry(raw.parse().id)
     assert billed is not None and (row.input_consumed, row.captured + row.overrun) == (
