@@ -8,11 +8,12 @@ Load it from the proxy's config (its settings: ``tokenbudget_litellm.settings``)
 Every call to our API is a coroutine on the proxy's event loop over kept-alive connections
 (``transport.AsyncApi``), bounded by one deadline (``timeoutSeconds``). One call, hook by hook:
 
-- Before any hook (``arrival``, ``admitOnArrival``): a chat request whose credentials LiteLLM accepted in
-  the last minute has its admission sent as it arrives, mapped as the caller LiteLLM found then, while
-  LiteLLM authenticates and prepares it; the pre-call hook adopts it only if it is exactly the admission
-  the call needs then (else it is released, and the call admitted there under ``<requestId>-readmitted``),
-  and one that no hook took is released once the proxy has answered.
+- Before any hook (``arrival``, ``admitOnArrival``): a chat request like one LiteLLM accepted in the last
+  minute has its admission sent as it reaches the proxy's routes, mapped as the caller LiteLLM found then,
+  while LiteLLM authenticates and prepares it; the pre-call hook adopts it only if it is the admission the
+  call needs then (else it is released and the call admitted there), and one that no hook took is released
+  once the proxy has answered, as is an admission a pre-call hook left in flight that no deployment hook
+  took (LiteLLM ran its pre-call logic again, for a fallback of its own).
 - ``async_pre_call_hook``: the request is mapped (``mapping``) and its admission sent (or the one sent on
   its arrival adopted); the admission also
   records the dispatch under a provider request id the hook chose (``dispatchAtAdmission``), so it is the
@@ -73,13 +74,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from fastapi import HTTPException
 from litellm.integrations.custom_logger import CustomLogger
 from tokenbudget_gateway.errors import GatewayError, StaleFence
 
-from tokenbudget_litellm.arrival import ARRIVAL, AdmitOnArrival, KnownCallers, install
+from tokenbudget_litellm.arrival import ARRIVAL, AdmitOnArrival, Arrival, KnownCallers, install
 from tokenbudget_litellm.calls import (
     Admitted,
     Calls,
@@ -94,7 +95,6 @@ from tokenbudget_litellm.mapping import (
     Caller,
     MappingError,
     apply_admitted,
-    readmitted,
     to_admission,
 )
 from tokenbudget_litellm.settings import HookSettings, ModelGroup
@@ -186,7 +186,7 @@ class TokenBudgetHook(CustomLogger):
         if settings.admit_on_arrival:
             install(
                 lambda app: AdmitOnArrival(
-                    app, callers=self._callers, begin=self._admit_on_arrival, drop=self._drop_early
+                    app, callers=self._callers, begin=self._admit_on_arrival, end=self._arrival_ended
                 )
             )
         # First: LiteLLM's own filter on that logger formats the record's arguments away.
@@ -202,6 +202,17 @@ class TokenBudgetHook(CustomLogger):
 
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: str
+    ) -> dict[str, Any]:
+        arrival = ARRIVAL.get()
+        try:
+            return await self._pre_call(user_api_key_dict, data, call_type, arrival)
+        finally:
+            left = arrival.take() if arrival is not None else None
+            if left is not None:
+                self._not_early(left, "was not come to (the call went on unadmitted, or was refused)")
+
+    async def _pre_call(
+        self, user_api_key_dict: Any, data: dict[str, Any], call_type: str, arrival: Arrival[Any] | None
     ) -> dict[str, Any]:
         name = str(data.get("model"))
         group = self.settings.model_groups.get(name)
@@ -221,10 +232,10 @@ class TokenBudgetHook(CustomLogger):
             raise _refused(Refusal.of(400, exc.code, exc.detail), name) from exc
         except Exception as exc:
             return self._undecided(data, exc)
-        early = self._early_admission(name, request, caller)
-        if early is False:
-            request = readmitted(request)
-            early = None
+        early = None
+        if arrival is not None:
+            self._callers.remember(arrival.credentials, caller)
+            early = self._early_admission(name, request, arrival)
         data["num_retries"] = 0
         data.pop("fallbacks", None)
         metadata = data.get("metadata")
@@ -249,6 +260,8 @@ class TokenBudgetHook(CustomLogger):
                 raise
         metadata[_ADMISSION_KEY] = key = uuid.uuid4().hex
         self._admissions[key] = admission
+        if arrival is not None:
+            arrival.in_flight.append(key)
         return data
 
     async def async_pre_call_deployment_hook(
@@ -419,13 +432,14 @@ class TokenBudgetHook(CustomLogger):
         self._states[ticket.reservation_id] = state
         state.keeper = asyncio.get_running_loop().create_task(self._keep_lease(ticket))
         logger.info(
-            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s%s",
+            "admitted %s at %s on %s (sent to %s) as reservation %s, provider request %s, LiteLLM call %s%s",
             name,
             ticket.rung,
             ticket.model_revision or group.model_revision,
             deployment,
             ticket.reservation_id,
             ticket.provider_request_id,
+            data.get("litellm_call_id"),
             ", asked on arrival" if admission.on_arrival else "",
         )
         return ticket
@@ -453,39 +467,56 @@ class TokenBudgetHook(CustomLogger):
         try:
             await sent.wait()
         except asyncio.CancelledError:
-            self._drop_early(admission)
+            self._in_background(self._dropped(admission))
             raise
         return admission
 
     def _early_admission(
-        self, name: str, request: AdmissionRequest, caller: Caller
-    ) -> _Admission | Literal[False] | None:
-        """The admission started on this call's arrival, if it is the one the call needs now that LiteLLM
-        authenticated ``caller``; ``None`` if none was; ``False`` if one that differs was (it is released,
-        the call needs another key, and its group is admitted here for a while)."""
-        arrival = ARRIVAL.get()
-        if arrival is None:
-            return None
-        self._callers.remember(arrival.credentials, caller)
+        self, name: str, request: AdmissionRequest, arrival: Arrival[Any]
+    ) -> _Admission | None:
+        """The admission started on this call's arrival, if it is the one the call needs now that LiteLLM has
+        handed it over (its ``requestId`` aside: the early one's is its own); one that differs is released."""
         early = arrival.take()
         if early is None:
             return None
-        if isinstance(early, _Admission) and early.name == name and early.request == request:
+        if (
+            isinstance(early, _Admission)
+            and early.name == name
+            and not request.callers_key
+            and early.request.traceparent == request.traceparent
+            and {**early.request.body, "requestId": None} == {**request.body, "requestId": None}
+        ):
             return early
+        self._not_early(early, "differs from the call LiteLLM handed over")
+        return None
+
+    def _not_early(self, early: Any, why: str) -> None:
+        """Release an early admission the pre-call hook did not adopt; its group is not admitted early for a
+        while (what made it differ would again)."""
+        if not isinstance(early, _Admission):
+            return
         logger.info(
-            "the admission of %s started on arrival differs from the call LiteLLM handed over: released; "
-            "the group's calls are admitted in the pre-call hook for %g s",
-            name,
+            "the admission of %s asked on arrival %s: released; the group's calls are admitted from the "
+            "pre-call hook for %g s",
+            early.name,
+            why,
             _KNOWN_CALLER_S,
         )
-        self._admitted_late[name] = time.monotonic() + _KNOWN_CALLER_S
-        self._drop_early(early)
-        return False
+        self._admitted_late[early.name] = time.monotonic() + _KNOWN_CALLER_S
+        self._in_background(self._dropped(early))
 
-    def _drop_early(self, early: object) -> None:
-        """Release an admission started on arrival that no call took."""
+    def _arrival_ended(self, arrival: Arrival[Any]) -> None:
+        """The proxy has answered a request: an early admission no pre-call hook came to is released (LiteLLM
+        refused the call first: the request's digest is forgotten until LiteLLM accepts it again), and so is
+        an admission a pre-call hook left in flight that no deployment hook took."""
+        early = arrival.take()
         if isinstance(early, _Admission):
+            self._callers.forget(arrival.credentials)
             self._in_background(self._dropped(early))
+        for key in arrival.in_flight:
+            admission = self._admissions.pop(key, None)
+            if admission is not None:
+                self._in_background(self._dropped(admission))
 
     def _admission_of(self, *holders: Any) -> tuple[dict[str, Any], _Admission | None]:
         """The admission in flight for a call, taken (only one hook waits for it), and the metadata that

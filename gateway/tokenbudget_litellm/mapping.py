@@ -23,7 +23,8 @@ The caller adds what a chat request cannot say in ``metadata.tokenbudget`` (the 
 shape), ``authorizationScope`` (else the group's), ``trustedState`` and ``compactions``. The tenant is
 the one the key's team maps to (``tenantByTeam``, by team id or alias) — a caller naming another tenant is
 refused — else the caller's, else the group's. The task class is the caller's, else the group's. The
-``requestId`` defaults to the proxy's call id and is also the ``Idempotency-Key``. A ``traceparent``
+``requestId`` defaults to the proxy's call id (an id of the hook's own for a call admitted on its arrival,
+``arrival``) and is also the ``Idempotency-Key``. A ``traceparent``
 header on the proxy's request (W3C Trace Context) is sent on the admission, so our spans join its trace.
 
 Only text content is mapped: an image, audio or file part is refused (an image's token cost needs its
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 from tokenbudget_litellm.settings import HookSettings, ModelGroup
@@ -159,13 +160,6 @@ def to_admission(
         traceparent=_traceparent(data),
         callers_key=bool(extra.get("requestId")),
     )
-
-
-def readmitted(request: AdmissionRequest) -> AdmissionRequest:
-    """``request`` under a key of its own: the call's admission asked for on its arrival was of another
-    request (``arrival``) under the call's default key."""
-    request_id = f"{request.idempotency_key}-readmitted"
-    return replace(request, body={**request.body, "requestId": request_id}, idempotency_key=request_id)
 
 
 def _traceparent(data: Mapping[str, Any]) -> str | None:

@@ -9,10 +9,19 @@ import json
 from typing import Any
 
 import pytest
-from tokenbudget_litellm.arrival import ARRIVAL, AdmitOnArrival, KnownCallers, Message, credentials_digest
+from tokenbudget_litellm import arrival
+from tokenbudget_litellm.arrival import (
+    ARRIVAL,
+    AdmitOnArrival,
+    Arrival,
+    KnownCallers,
+    Message,
+    request_digest,
+)
 from tokenbudget_litellm.mapping import Caller
 
 KEY = [(b"authorization", b"Bearer sk-known")]
+CLIENT = ("10.0.0.7", 50123)
 BODY = {"model": "support", "messages": [{"role": "user", "content": "Where is my order?"}]}
 TEAM = Caller(team_id="team-7")
 
@@ -30,7 +39,7 @@ class Proxy:
         self.taken: object = None
         self.callers = KnownCallers(ttl_s=60)
         if known:
-            self.callers.remember(credentials_digest(KEY), TEAM)
+            self.callers.remember(request_digest(scope_of(KEY)), TEAM)
         self._take = take
         self._fail = fail
 
@@ -39,9 +48,11 @@ class Proxy:
         self.begun.append((data, caller))
         return f"early-{len(self.begun)}"
 
-    def drop(self, early: str) -> None:
-        self.events.append("admission dropped")
-        self.dropped.append(early)
+    def end(self, ended: Arrival[str]) -> None:
+        self.events.append("answered")
+        left = ended.take()
+        if left is not None:
+            self.dropped.append(left)
 
     async def app(self, scope: Any, receive: Any, send: Any) -> None:
         self.events.append("application started")
@@ -84,9 +95,24 @@ class Proxy:
         async def send(message: Message) -> None:
             return None
 
-        scope = {"type": "http", "method": "POST", "path": path, "headers": sent_headers}
-        stack = AdmitOnArrival(self.app, callers=self.callers, begin=self.begin, drop=self.drop, **middleware)
+        scope = scope_of(sent_headers, path=path)
+        stack = AdmitOnArrival(self.app, callers=self.callers, begin=self.begin, end=self.end, **middleware)
         asyncio.run(stack(scope, receive, send))
+
+
+def scope_of(
+    headers: list[tuple[bytes, bytes]], *, path: str = "/v1/chat/completions", **extra: Any
+) -> dict[str, Any]:
+    """An HTTP request's ASGI scope from ``CLIENT``; ``extra`` replaces its other fields."""
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": headers,
+        "client": CLIENT,
+        "query_string": b"",
+    }
+    return {**scope, **extra}
 
 
 def test_a_known_callers_request_is_admitted_before_the_application_runs_and_reaches_it_unchanged() -> None:
@@ -95,28 +121,22 @@ def test_a_known_callers_request_is_admitted_before_the_application_runs_and_rea
 
     proxy.serve(body, chunk=7)
 
-    assert proxy.events == ["admission started", "application started"]
+    assert proxy.events == ["admission started", "application started", "answered"]
     [(data, caller)] = proxy.begun
-    assert caller == TEAM
-    call_id = proxy.app_headers[b"x-litellm-call-id"].decode()
-    assert data == {**BODY, "litellm_call_id": call_id}
+    assert (data, caller) == (BODY, TEAM)
     assert proxy.app_body == body
+    assert proxy.app_headers == {**dict(KEY), b"content-length": str(len(body)).encode()}
     assert proxy.taken == "early-1" and proxy.dropped == []
 
 
-def test_the_callers_own_call_id_and_traceparent_are_the_admissions() -> None:
+def test_the_first_traceparent_is_the_admissions_as_it_is_litellms() -> None:
     proxy = Proxy()
     trace = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
-    proxy.serve(
-        json.dumps(BODY).encode(),
-        headers=[*KEY, (b"X-LiteLLM-Call-Id", b"call-42"), (b"traceparent", trace)],
-    )
+    proxy.serve(json.dumps(BODY).encode(), headers=[*KEY, (b"traceparent", trace), (b"Traceparent", b"00-x")])
 
     [(data, _)] = proxy.begun
-    assert data["litellm_call_id"] == "call-42"
     assert data["proxy_server_request"] == {"headers": {"traceparent": trace.decode()}}
-    assert b"x-litellm-call-id" not in proxy.app_headers, "nothing is added to a request that has one"
 
 
 @pytest.mark.parametrize("fail", [None, RuntimeError("LiteLLM refused it")])
@@ -131,7 +151,7 @@ def test_an_early_admission_no_hook_took_is_dropped_once_the_proxy_has_answered(
         with pytest.raises(RuntimeError):
             proxy.serve(json.dumps(BODY).encode())
 
-    assert proxy.events == ["admission started", "application started", "admission dropped"]
+    assert proxy.events == ["admission started", "application started", "answered"]
     assert proxy.dropped == ["early-1"]
 
 
@@ -151,16 +171,21 @@ def test_credentials_litellm_has_not_accepted_ask_for_nothing(headers: list[tupl
     proxy.serve(body, headers=headers)
 
     assert proxy.begun == [] and proxy.dropped == []
-    assert proxy.app_body == body and b"x-litellm-call-id" not in proxy.app_headers
+    assert proxy.app_body == body
 
 
-def test_the_credential_digest_covers_every_header_that_may_carry_a_key_and_only_those() -> None:
-    digest = credentials_digest(KEY)
+def test_the_digest_covers_all_but_the_headers_that_change_from_call_to_call() -> None:
+    digest = request_digest(scope_of(KEY))
 
-    assert credentials_digest([(b"Authorization", b"Bearer sk-known")]) == digest
-    assert credentials_digest([*KEY, (b"user-agent", b"openai-python")]) == digest
-    for name in (b"api-key", b"x-api-key", b"x-goog-api-key", b"x-litellm-api-key", b"x-custom-token"):
-        assert credentials_digest([*KEY, (name, b"sk-1")]) != digest, name
+    assert request_digest(scope_of([(b"Authorization", b"Bearer sk-known")])) == digest
+    for volatile in (b"content-length", b"traceparent", b"x-litellm-call-id", b"x-stainless-retry-count"):
+        assert request_digest(scope_of([*KEY, (volatile, b"1")])) == digest, volatile
+    for other in (b"x-api-key", b"x-litellm-api-key", b"x-my-auth", b"cookie", b"x-litellm-team-id"):
+        assert request_digest(scope_of([*KEY, (other, b"1")])) != digest, other
+    assert request_digest(scope_of(KEY, client=("10.0.0.7", 50124))) == digest, "another connection"
+    assert request_digest(scope_of(KEY, client=("10.0.0.8", 50123))) != digest
+    assert request_digest(scope_of(KEY, query_string=b"key=sk-2")) != digest
+    assert request_digest(scope_of([])) != digest
 
 
 @pytest.mark.parametrize(
@@ -198,11 +223,10 @@ def test_other_routes_pass_through_untouched(method: str, path: str) -> None:
     async def send(message: Message) -> None:
         return None
 
-    stack = AdmitOnArrival(app, callers=proxy.callers, begin=proxy.begin, drop=proxy.drop)
-    scope = {"type": "http", "method": method, "path": path, "headers": KEY}
-    asyncio.run(stack(scope, receive, send))
+    stack = AdmitOnArrival(app, callers=proxy.callers, begin=proxy.begin, end=proxy.end)
+    asyncio.run(stack(scope_of(KEY, method=method, path=path), receive, send))
 
-    assert seen == [None] and proxy.begun == []
+    assert seen == [None] and proxy.begun == [] and proxy.events == []
 
 
 def test_a_failure_to_start_the_admission_leaves_the_request_to_the_pre_call_hook(
@@ -239,3 +263,64 @@ def test_known_callers_are_forgotten_after_their_ttl_and_the_least_recent_beyond
     assert callers.get("a") == Caller("team-a")
     now[0] = 91
     assert callers.get("a") is None and callers.get("c") == Caller("team-c")
+
+
+def test_known_callers_can_be_forgotten() -> None:
+    callers = KnownCallers(ttl_s=60)
+    callers.remember("a", Caller("team-a"))
+
+    callers.forget("a")
+    callers.forget("never seen")
+
+    assert callers.get("a") is None
+
+
+class Layer:
+    """A middleware of the chain ``install`` walks: each layer calls ``app``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+
+class FakeProxy:
+    """What ``install`` reads of LiteLLM's proxy module: ``app``, its ``router`` and middleware stack."""
+
+    def __init__(self, *, built: bool) -> None:
+        self.router = object()
+        self.middleware_stack: Any = Layer(Layer(self.router)) if built else None
+        self.built = 0
+
+    def build_middleware_stack(self) -> Any:
+        self.built += 1
+        return Layer(Layer(self.router))
+
+    @property
+    def app(self) -> FakeProxy:
+        return self
+
+
+def wrapped(app: Any) -> Any:
+    return ("ours", app)
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["stack built", "stack built later"])
+def test_install_puts_the_middleware_right_before_the_routes_once(
+    monkeypatch: pytest.MonkeyPatch, built: bool
+) -> None:
+    proxy = FakeProxy(built=built)
+    monkeypatch.setitem(arrival.sys.modules, "litellm.proxy.proxy_server", proxy)
+
+    assert arrival.install(wrapped) and arrival.install(wrapped)
+
+    stack = proxy.middleware_stack if built else proxy.build_middleware_stack()
+    assert stack.app.app == ("ours", proxy.router), "behind the middleware, in front of the routes, once"
+
+
+def test_install_leaves_a_proxy_it_does_not_know_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not arrival.install(wrapped), "not a proxy's process"
+    proxy = FakeProxy(built=True)
+    proxy.middleware_stack = Layer(Layer(object()))
+    monkeypatch.setitem(arrival.sys.modules, "litellm.proxy.proxy_server", proxy)
+
+    assert not arrival.install(wrapped)
+    assert proxy.middleware_stack.app.app is not proxy.router

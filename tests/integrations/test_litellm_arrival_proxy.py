@@ -94,14 +94,15 @@ def test_a_known_keys_call_is_admitted_on_arrival_and_settled_as_any_other(
     raw = call(proxy, headers=headers)
 
     reservation_id = raw.headers["x-tokenbudget-reservation-id"]
+    call_id = raw.headers["x-litellm-call-id"]
+    assert call_id == headers.get("x-litellm-call-id", call_id)
     [admitted] = [line for line in logged_since(proxy, log_before) if "admitted support" in line]
-    assert f"as reservation {reservation_id}" in admitted and admitted.endswith(", asked on arrival")
+    assert f"as reservation {reservation_id}" in admitted
+    assert admitted.endswith(f", LiteLLM call {call_id}, asked on arrival"), admitted
     row = settled(reservation_id)
     assert (row.state, row.outcome) == (ReservationState.SETTLED, "COMPLETED")
-    # The admission's default requestId is LiteLLM's call id, which the middleware gave the request.
-    assert row.request_id == f"litellm-{raw.headers['x-litellm-call-id']}"
-    if headers:
-        assert raw.headers["x-litellm-call-id"] == headers["x-litellm-call-id"]
+    # Asked before LiteLLM named the call: the admission's requestId is one of its own.
+    assert row.request_id.startswith("litellm-") and call_id not in row.request_id
     assert counter.seen == [admitted_messages(row)]
     billed = simulator.entry(raw.parse().id)
     assert billed is not None and (row.input_consumed, row.captured + row.overrun) == (
@@ -155,6 +156,11 @@ def test_a_call_refused_before_our_hook_has_its_early_admission_released_in_full
     assert refused.failure_reason.startswith("never processed"), refused.failure_reason
     assert nothing_held()
     assert counter.seen == [] and len(simulator.entries()) == 1
+    # LiteLLM's refusal made the request's digest unknown: its next call waits for LiteLLM's acceptance.
+    log_before = proxy.log.read_text(errors="replace")
+    settled(call(proxy).headers["x-tokenbudget-reservation-id"])
+    [admitted] = [line for line in logged_since(proxy, log_before) if "admitted support" in line]
+    assert not admitted.endswith("asked on arrival"), admitted
 
 
 def test_a_call_a_guardrail_changed_before_our_hook_is_admitted_as_changed(
@@ -169,7 +175,7 @@ def test_a_call_a_guardrail_changed_before_our_hook_is_admitted_as_changed(
 
     row = settled(raw.headers["x-tokenbudget-reservation-id"])
     assert (row.state, row.outcome) == (ReservationState.SETTLED, "COMPLETED")
-    assert row.request_id == f"litellm-{raw.headers['x-litellm-call-id']}-readmitted"
+    assert row.request_id == f"litellm-{raw.headers['x-litellm-call-id']}"
     assert counter.seen == [admitted_messages(row)]
     assert "Can I change my delivery address?" in str(admitted_messages(row))
     wait_for(
@@ -179,7 +185,6 @@ def test_a_call_a_guardrail_changed_before_our_hook_is_admitted_as_changed(
     )
     early = Reservation.objects.get(outcome="RELEASED")
     assert QUESTION in str(admitted_messages(early)) and early.input_consumed == 0
-    assert early.request_id == f"litellm-{raw.headers['x-litellm-call-id']}"
     logged = logged_since(proxy, log_before)
     assert any("differs from the call LiteLLM handed over" in line for line in logged), logged
     assert not any(line.endswith("asked on arrival") for line in logged), "admitted in the pre-call hook"
