@@ -1,5 +1,4 @@
-"""The admission asked for as a request reaches the proxy's routes, while LiteLLM authenticates and prepares
-it.
+"""The admission asked for as a request reaches the proxy's routes, while LiteLLM authenticates it.
 
 LiteLLM calls its first hook (``async_pre_call_hook``) only once it has authenticated the key and prepared
 the request: about 6 ms of its own work a call on a 2-core machine, most of its overhead. Our admission
@@ -7,7 +6,7 @@ takes as long again, and until now it started only then. ``AdmitOnArrival`` sits
 middleware and its routes (``install``: after its body limits, decompression, admission control and error
 handling, before the route's authentication) and, for a request to the chat completions route that looks
 exactly like one LiteLLM accepted in the last ``ttl_s`` (``KnownCallers``: a digest of the client's
-address, the query string and every header but the few that change from call to call, remembered with the
+host, the query string and every header but the few that change from call to call, remembered with the
 caller LiteLLM found by the pre-call hook), reads its body, maps it as that caller's and puts its admission
 on the wire; then the request goes on to LiteLLM unchanged, its body replayed.
 
@@ -17,7 +16,7 @@ admission (same group, body and trace; its ``requestId`` is one of its own, ``li
 call id is not known yet); otherwise the early one is released and the call admitted as before. So:
 
 - a request unlike any LiteLLM accepted within ``ttl_s`` never causes a call to us before LiteLLM accepts
-  it, and credentials are taken to be in what the digest covers (headers, query string, client address);
+  it, and credentials are taken to be in what the digest covers (headers, query string, client host);
 - a request LiteLLM refuses (a key revoked since, a limit of its own) has its early admission released
   once the proxy has answered (``Arrival.take`` when the application returns), and its digest forgotten:
   the next request like it waits for LiteLLM to accept it again;
