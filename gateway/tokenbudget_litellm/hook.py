@@ -209,7 +209,7 @@ class TokenBudgetHook(CustomLogger):
         finally:
             left = arrival.take() if arrival is not None else None
             if left is not None:
-                self._not_early(left, "was not come to (the call went on unadmitted, or was refused)")
+                self._not_early(left, "was not taken (the call went on unadmitted, or was refused)")
 
     async def _pre_call(
         self, user_api_key_dict: Any, data: dict[str, Any], call_type: str, arrival: Arrival[Any] | None
