@@ -249,15 +249,7 @@ class TokenBudgetHook(CustomLogger):
             if ticket is not None:
                 data["model"] = group.deployment_for(name, ticket.model_revision)
             return data
-        admission = early
-        if admission is None:
-            sent = asyncio.Event()
-            admission = _Admission(self.calls.admit(request, sent=sent), name, group, request)
-            try:
-                await sent.wait()
-            except asyncio.CancelledError:
-                self._in_background(self._dropped(admission))
-                raise
+        admission = early or await self._on_the_wire(name, group, request)
         metadata[_ADMISSION_KEY] = key = uuid.uuid4().hex
         self._admissions[key] = admission
         if arrival is not None:
@@ -462,8 +454,17 @@ class TokenBudgetHook(CustomLogger):
             # The caller's own requestId: were the call to change before the pre-call hook, its admission
             # would be a second request under the caller's key (a conflict), so it is asked for there.
             return None
+        return await self._on_the_wire(name, group, request, on_arrival=True)
+
+    async def _on_the_wire(
+        self, name: str, group: ModelGroup, request: AdmissionRequest, *, on_arrival: bool = False
+    ) -> _Admission:
+        """``request``'s admission, started and returned once it is on the wire (the caller goes on while our
+        API decides); released when it arrives if the caller is cancelled meanwhile."""
         sent = asyncio.Event()
-        admission = _Admission(self.calls.admit(request, sent=sent), name, group, request, on_arrival=True)
+        admission = _Admission(
+            self.calls.admit(request, sent=sent), name, group, request, on_arrival=on_arrival
+        )
         try:
             await sent.wait()
         except asyncio.CancelledError:
